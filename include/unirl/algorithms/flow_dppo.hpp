@@ -1,0 +1,143 @@
+#pragma once
+/// \file flow_dppo.hpp
+/// Flow-DPPO (UniRL `flowdppo.py`, ALGORITHMS.md §4): no ratio clip; a trust-region mask from
+/// the exact Gaussian KL between the current and the sampling policy's step. Per (sample, step):
+/// `KL_k = mean over elements of (mu_new - mu_old)^2 / (2 s_k^2)`; the term is dropped
+/// (`keep = 0`) only when `KL_k >= delta` and the ratio moved in the direction the advantage
+/// pushes (`rho > 1, A > 0` or `rho < 1, A < 0`); loss `-A rho keep` averaged over samples and
+/// steps, optionally `+ beta KL(pi || pi_ref)`.
+///
+/// ```cpp
+/// unirl::trainer<model_t, unirl::algo::flow_dppo<>, my_reward> t{model, reward,
+///     {.algorithm = {.delta = 1e-5}, .group_size = 8, .minibatches = 2}};
+/// ```
+#include <cstdint>
+#include <string>
+#include <type_traits>
+
+#include <boost/hana.hpp>
+#include <torch/torch.h>
+
+#include <unirl/algorithms/flow_common.hpp>
+#include <unirl/concepts/algorithm.hpp>
+#include <unirl/core/context.hpp>
+#include <unirl/core/options.hpp>
+#include <unirl/core/stats.hpp>
+#include <unirl/rollout/flow.hpp>
+#include <unirl/rollout/flow_samplers.hpp>
+
+namespace unirl::algo {
+
+/// Options of `flow_dppo`.
+struct flow_dppo_options {
+  double delta = 1e-5;             // trust-region size on the per-step Gaussian KL
+  double beta = 0.0;               // KL-to-reference coefficient; 0 builds no reference
+  double adv_clip_max = 0.0;       // > 0: advantages clipped to +-adv_clip_max; 0: unclipped
+  double timestep_fraction = 1.0;  // train on the first fraction of the stochastic steps
+  flow_advantage_options advantage{};
+  rollout::flow_sampler_options sampler{};
+
+  void validate(const std::string& p) const {
+    options::require(delta >= 0.0, p + "delta", delta, ">= 0");
+    options::require(beta >= 0.0, p + "beta", beta, ">= 0");
+    options::require(adv_clip_max >= 0.0, p + "adv_clip_max", adv_clip_max, ">= 0 (0 = off)");
+    options::require(timestep_fraction > 0.0 && timestep_fraction <= 1.0, p + "timestep_fraction",
+                     timestep_fraction, "in (0, 1]");
+  }
+};
+
+}  // namespace unirl::algo
+
+BOOST_HANA_ADAPT_STRUCT(unirl::algo::flow_dppo_options, delta, beta, adv_clip_max, timestep_fraction, advantage,
+                        sampler);
+
+namespace unirl::algo {
+
+/// Flow-DPPO with the sampler policy `Sampler`.
+template <class Sampler = rollout::sde::flow_grpo>
+class flow_dppo {
+ public:
+  using options = flow_dppo_options;
+  using sampler_type = Sampler;
+  static constexpr bool requires_reference = true;  // built only when beta > 0
+  static constexpr bool requires_critic = false;
+  static constexpr bool requires_ema_rollout = false;
+  static constexpr bool requires_group = true;
+  static constexpr bool supports_multi_update = true;
+  template <class Track>
+  static constexpr bool supports_track = std::is_same_v<Track, rollout::flow_track>;
+
+  explicit flow_dppo(const options& o = {}) : opts_(o), sampler_(o.sampler) { unirl::options::validate(opts_); }
+
+  bool uses_reference() const { return opts_.beta > 0.0; }
+  const options& settings() const { return opts_; }
+
+  template <class M>
+  rollout::flow_rollout sample(model_set<M>& ms, const torch::Tensor& conditions, const step_info& info) {
+    return flow::sample_groups(sampler_, ms.policy, conditions, info);
+  }
+
+  template <class M>
+  torch::Tensor advantage(model_set<M>&, rollout::flow_rollout& b, const torch::Tensor& rewards,
+                          const step_info& info) {
+    return flow::group_advantages(b, rewards, info, opts_.advantage);
+  }
+
+  template <class M>
+  loss_terms loss(model_set<M>& ms, const rollout::flow_rollout& mb, const step_info&) {
+    UNIRL_CHECK(mb.advantages.defined(), "flow_dppo: the minibatch has no advantages (advantage() not run)");
+    const auto steps = flow::trained_steps(mb, opts_.timestep_fraction);
+    auto adv = mb.advantages;
+    if (opts_.adv_clip_max > 0.0) adv = adv.clamp(-opts_.adv_clip_max, opts_.adv_clip_max);
+    const bool kl_on = opts_.beta > 0.0;
+    UNIRL_CHECK(!kl_on || ms.reference.has_value(), "flow_dppo: beta = ", opts_.beta, " but no reference model");
+    torch::Tensor total;
+    double policy = 0, kl = 0, ratio_sum = 0, masked = 0, kl_old = 0;
+    for (const auto k : steps) {
+      const auto r = rollout::replay_step(sampler_, ms.policy, mb, k);
+      const auto ratio = torch::exp(r.log_prob - mb.log_probs.select(1, k));
+      const auto a = adv.to(ratio.scalar_type());
+      torch::Tensor keep, kl_k;
+      {
+        torch::NoGradGuard ng;
+        // The trust region always uses the per-element mean (UniRL flowdppo.py).
+        kl_k = rollout::gaussian_kl(r.step.mean, mb.means.select(1, k), r.step.std, rollout::logprob_reduction::mean);
+        const auto pushed = ((ratio > 1.0) & (a > 0)) | ((ratio < 1.0) & (a < 0));
+        keep = torch::logical_not((kl_k >= opts_.delta) & pushed).to(ratio.scalar_type());
+      }
+      const auto pl = (-a * ratio * keep).mean();
+      auto term = pl;
+      if (kl_on) {
+        torch::Tensor ref_mean;
+        {
+          torch::NoGradGuard ng;
+          ref_mean = rollout::replay_step(sampler_, *ms.reference, mb, k).step.mean;
+        }
+        const auto klr = rollout::gaussian_kl(r.step.mean, ref_mean, r.step.std, sampler_.reduction()).mean();
+        term = term + opts_.beta * klr;
+        kl += klr.item<double>();
+      }
+      total = total.defined() ? total + term : term;
+      policy += pl.item<double>();
+      ratio_sum += ratio.mean().item<double>();
+      masked += 1.0 - keep.to(torch::kFloat64).mean().item<double>();
+      kl_old += kl_k.to(torch::kFloat64).mean().item<double>();
+    }
+    const double n = static_cast<double>(steps.size());
+    loss_terms out;
+    out.total = total / n;
+    out.policy = policy / n;
+    out.kl = kl / n;
+    out.ratio_mean = ratio_sum / n;
+    out.clip_fraction = masked / n;
+    out.extra["flow/kl_to_old"] = kl_old / n;
+    return out;
+  }
+
+ private:
+  options opts_;
+  Sampler sampler_;
+};
+static_assert(Algorithm<flow_dppo<>>);
+
+}  // namespace unirl::algo

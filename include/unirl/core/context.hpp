@@ -1,0 +1,51 @@
+#pragma once
+/// \file context.hpp
+/// What an algorithm sees of the trainer: the models it asked for and the current step.
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <type_traits>
+
+#include <torch/torch.h>
+
+#include <unirl/concepts/model.hpp>
+
+namespace unirl {
+
+namespace detail {
+template <class M, bool = CriticFactory<M>>
+struct critic_of { using type = void*; };
+template <class M>
+struct critic_of<M, true> { using type = std::remove_cvref_t<decltype(std::declval<const M&>().make_critic())>; };
+}  // namespace detail
+
+/// The critic type `M::make_critic()` builds (or `void*` when `M` builds none).
+template <class M>
+using critic_t = typename detail::critic_of<M>::type;
+
+/// The models a trainer holds. Only what the algorithm declared is built: `reference` when it
+/// `requires_reference` and uses it with the current options, `critic` when it
+/// `requires_critic` and the model is a `CriticFactory`, `ema` when it `requires_ema_rollout`.
+template <ModelAdapter M>
+struct model_set {
+  M policy;
+  std::optional<M> reference{};
+  std::optional<critic_t<M>> critic{};
+  std::optional<M> ema{};
+};
+
+/// Per-step information handed to the algorithm's stages.
+struct step_info {
+  std::int64_t step = 0;                 // 0-based index of the current trainer step
+  std::int64_t group_size = 1;           // samples per prompt / condition
+  torch::Device device = torch::kCPU;    // where rollouts and updates run
+  std::map<std::string, double>* extra = nullptr;  // algorithm figures for the step statistics
+
+  /// Reports a figure in this step's statistics (averaged when reported per minibatch).
+  void report(const std::string& key, double value) const {
+    if (extra) (*extra)[key] = value;
+  }
+};
+
+}  // namespace unirl

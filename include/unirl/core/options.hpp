@@ -1,0 +1,422 @@
+#pragma once
+/// \file options.hpp
+/// Reflection of `options` aggregates (Boost.Hana): print them, load them from a recipe file
+/// (JSON, or YAML when built with yaml-cpp), override them from `key=value` arguments, and
+/// validate their ranges. Every error names the dotted key and the offending value.
+///
+/// An options type stays an aggregate (designated initializers keep working) and is adapted
+/// after its definition:
+/// ```cpp
+/// struct my_options { float lr = 1e-3f; int steps = 100; };
+/// BOOST_HANA_ADAPT_STRUCT(my_options, lr, steps);
+///
+/// my_options o{.lr = 3e-4f};
+/// unirl::options::apply_overrides(o, {"steps=20"});   // o.steps == 20
+/// unirl::options::to_string(o);                       // "lr = 0.0003\nsteps = 20\n"
+/// ```
+/// Minimal complete definition of a reflectable options type: `BOOST_HANA_ADAPT_STRUCT` (or a
+/// `boost::hana::accessors_impl` specialisation) whose members are bool, integers, floating
+/// point, `std::string`, enums with `unirl::enum_names`, `std::vector` of those, or reflectable
+/// options types themselves. Optionally `void validate(const std::string& prefix) const`, which
+/// throws `unirl::config_error` naming `prefix + "member"` for an out-of-range value.
+#include <array>
+#include <cmath>
+#include <concepts>
+#include <cstdint>
+#include <fstream>
+#include <limits>
+#include <sstream>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <vector>
+
+#include <boost/hana.hpp>
+#include <nlohmann/json.hpp>
+#if defined(UNIRL_WITH_YAML)
+#include <yaml-cpp/yaml.h>
+#endif
+
+#include <unirl/config.hpp>
+#include <unirl/core/error.hpp>
+
+namespace unirl {
+
+/// Names of an enum's enumerators, indexed by their underlying value (0, 1, 2, ...).
+/// Specialise for every enum used in an options type:
+/// `template <> inline constexpr std::array unirl::enum_names<mode>{"a", "b"};`
+template <class E>
+inline constexpr std::array<std::string_view, 0> enum_names{};
+
+/// Text of an enumerator, from `enum_names`.
+template <class E>
+  requires std::is_enum_v<E>
+std::string_view enum_to_string(E e) {
+  const auto i = static_cast<std::size_t>(e);
+  return i < enum_names<E>.size() ? enum_names<E>[i] : std::string_view{"<unknown>"};
+}
+
+namespace options {
+
+/// True for types adapted with Boost.Hana (nested options structs).
+template <class T>
+concept Reflectable = boost::hana::Struct<T>::value;
+
+namespace detail {
+template <class T>
+struct is_vector : std::false_type {};
+template <class T, class A>
+struct is_vector<std::vector<T, A>> : std::true_type {};
+
+template <class T>
+struct is_struct_list : std::false_type {};
+template <class T, class A>
+struct is_struct_list<std::vector<T, A>> : std::bool_constant<Reflectable<T>> {};
+
+inline std::string join(const std::string& prefix, const char* name) {
+  return prefix.empty() ? std::string(name) : prefix + "." + name;
+}
+
+template <class T>
+constexpr const char* type_name() {
+  if constexpr (std::is_same_v<T, bool>) return "a boolean (true/false)";
+  else if constexpr (std::is_enum_v<T>) return "one of the names listed";
+  else if constexpr (std::is_integral_v<T>) return "an integer";
+  else if constexpr (std::is_floating_point_v<T>) return "a number";
+  else if constexpr (std::is_same_v<T, std::string>) return "a string";
+  else if constexpr (is_vector<T>::value) return "a list";
+  else return "an object";
+}
+
+template <class E>
+std::string enum_choices() {
+  std::string s;
+  for (auto n : enum_names<E>) s += (s.empty() ? "" : ", ") + std::string(n);
+  return s;
+}
+
+template <class T>
+void from_json_value(T& out, const nlohmann::json& j, const std::string& key);
+
+// Parses one value from text (command line) into `out`; structs and lists of structs as JSON.
+template <class T>
+void parse_text(T& out, const std::string& key, const std::string& text) {
+  auto bad = [&](const std::string& why) {
+    throw config_error(key, "cannot read '" + text + "' as " + type_name<T>() + why);
+  };
+  if constexpr (Reflectable<T> || is_struct_list<T>::value) {
+    nlohmann::json j;
+    try { j = nlohmann::json::parse(text); } catch (const std::exception&) { bad(" (expected JSON)"); }
+    from_json_value(out, j, key);
+  } else if constexpr (std::is_same_v<T, bool>) {
+    if (text == "true" || text == "1" || text == "on" || text == "yes") out = true;
+    else if (text == "false" || text == "0" || text == "off" || text == "no") out = false;
+    else bad("");
+  } else if constexpr (std::is_enum_v<T>) {
+    for (std::size_t i = 0; i < enum_names<T>.size(); ++i)
+      if (enum_names<T>[i] == text) { out = static_cast<T>(i); return; }
+    bad(" (expected one of: " + enum_choices<T>() + ")");
+  } else if constexpr (std::is_integral_v<T>) {
+    std::size_t pos = 0;
+    long long v = 0;
+    try { v = std::stoll(text, &pos); } catch (...) { bad(""); }
+    if (pos != text.size()) bad("");
+    if (v < static_cast<long long>(std::numeric_limits<T>::min()) ||
+        (v > 0 && static_cast<unsigned long long>(v) > static_cast<unsigned long long>(std::numeric_limits<T>::max())))
+      bad(" (out of the type's range)");
+    out = static_cast<T>(v);
+  } else if constexpr (std::is_floating_point_v<T>) {
+    std::size_t pos = 0;
+    double v = 0;
+    try { v = std::stod(text, &pos); } catch (...) { bad(""); }
+    if (pos != text.size()) bad("");
+    out = static_cast<T>(v);
+  } else if constexpr (std::is_same_v<T, std::string>) {
+    out = text;
+  } else if constexpr (is_vector<T>::value) {
+    std::string body = text;
+    if (!body.empty() && body.front() == '[') body = body.substr(1);
+    if (!body.empty() && body.back() == ']') body.pop_back();
+    T result;
+    std::stringstream ss(body);
+    std::string item;
+    std::size_t i = 0;
+    while (std::getline(ss, item, ',')) {
+      while (!item.empty() && item.front() == ' ') item.erase(item.begin());
+      while (!item.empty() && item.back() == ' ') item.pop_back();
+      if (item.empty()) continue;
+      typename T::value_type v{};
+      parse_text(v, key + "[" + std::to_string(i++) + "]", item);
+      result.push_back(v);
+    }
+    out = std::move(result);
+  } else {
+    static_assert(unirl::detail::dependent_false<T>, "unirl::options: unsupported member type");
+  }
+}
+
+template <class T>
+nlohmann::json to_json_value(const T& v);
+
+template <class T>
+std::string value_text(const T& v) {
+  if constexpr (std::is_same_v<T, bool>) return v ? "true" : "false";
+  else if constexpr (Reflectable<T>) return to_json_value(v).dump();
+  else if constexpr (std::is_enum_v<T>) return std::string(enum_to_string(v));
+  else if constexpr (std::is_same_v<T, std::string>) return "\"" + v + "\"";
+  else if constexpr (is_vector<T>::value) {
+    std::string s = "[";
+    for (std::size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + value_text(v[i]);
+    return s + "]";
+  } else {
+    std::ostringstream os;
+    os << v;
+    return os.str();
+  }
+}
+
+template <class T>
+void from_json_value(T& out, const nlohmann::json& j, const std::string& key);
+
+template <Reflectable T>
+void from_json_object(T& out, const nlohmann::json& j, const std::string& prefix) {
+  if (!j.is_object())
+    throw config_error(prefix.empty() ? "<root>" : prefix, "expected an object, got " + j.dump());
+  for (auto it = j.begin(); it != j.end(); ++it) {
+    bool found = false;
+    boost::hana::for_each(boost::hana::accessors<T>(), [&](auto pair) {
+      const char* name = boost::hana::to<const char*>(boost::hana::first(pair));
+      if (found || it.key() != name) return;
+      found = true;
+      from_json_value(boost::hana::second(pair)(out), it.value(), join(prefix, name));
+    });
+    if (!found) throw config_error(join(prefix, it.key().c_str()), "unknown key");
+  }
+}
+
+template <class T>
+void from_json_value(T& out, const nlohmann::json& j, const std::string& key) {
+  auto wrong = [&] {
+    throw config_error(key, std::string("expected ") + type_name<T>() + ", got " + j.dump());
+  };
+  if constexpr (Reflectable<T>) {
+    from_json_object(out, j, key);
+  } else if constexpr (std::is_same_v<T, bool>) {
+    if (!j.is_boolean()) wrong();
+    out = j.get<bool>();
+  } else if constexpr (std::is_enum_v<T>) {
+    if (!j.is_string()) wrong();
+    parse_text(out, key, j.get<std::string>());
+  } else if constexpr (std::is_integral_v<T>) {
+    if (j.is_number_integer()) parse_text(out, key, std::to_string(j.get<long long>()));
+    else if (j.is_number_float() && std::trunc(j.get<double>()) == j.get<double>())
+      parse_text(out, key, std::to_string(static_cast<long long>(j.get<double>())));
+    else wrong();
+  } else if constexpr (std::is_floating_point_v<T>) {
+    if (!j.is_number()) wrong();
+    out = static_cast<T>(j.get<double>());
+  } else if constexpr (std::is_same_v<T, std::string>) {
+    if (!j.is_string()) wrong();
+    out = j.get<std::string>();
+  } else if constexpr (is_vector<T>::value) {
+    if (!j.is_array()) wrong();
+    T result(j.size());
+    for (std::size_t i = 0; i < j.size(); ++i)
+      from_json_value(result[i], j[i], key + "[" + std::to_string(i) + "]");
+    out = std::move(result);
+  } else {
+    static_assert(unirl::detail::dependent_false<T>, "unirl::options: unsupported member type");
+  }
+}
+
+template <class T>
+nlohmann::json to_json_value(const T& v) {
+  if constexpr (Reflectable<T>) {
+    nlohmann::json j = nlohmann::json::object();
+    boost::hana::for_each(boost::hana::accessors<T>(), [&](auto pair) {
+      j[boost::hana::to<const char*>(boost::hana::first(pair))] =
+          to_json_value(boost::hana::second(pair)(v));
+    });
+    return j;
+  } else if constexpr (std::is_enum_v<T>) {
+    return std::string(enum_to_string(v));
+  } else if constexpr (is_vector<T>::value) {
+    nlohmann::json j = nlohmann::json::array();
+    for (const auto& x : v) j.push_back(to_json_value(x));
+    return j;
+  } else {
+    return v;
+  }
+}
+
+template <class T>
+void print_into(std::ostream& os, const T& v, const std::string& prefix) {
+  boost::hana::for_each(boost::hana::accessors<T>(), [&](auto pair) {
+    const char* name = boost::hana::to<const char*>(boost::hana::first(pair));
+    const auto& member = boost::hana::second(pair)(v);
+    using M = std::remove_cvref_t<decltype(member)>;
+    if constexpr (Reflectable<M>) print_into(os, member, join(prefix, name));
+    else os << join(prefix, name) << " = " << value_text(member) << "\n";
+  });
+}
+
+template <class T>
+bool set_path(T& obj, std::string_view path, const std::string& full_key, const std::string& value) {
+  const auto dot = path.find('.');
+  const std::string_view head = path.substr(0, dot);
+  bool done = false;
+  boost::hana::for_each(boost::hana::accessors<T>(), [&](auto pair) {
+    const char* name = boost::hana::to<const char*>(boost::hana::first(pair));
+    if (done || head != name) return;
+    auto& member = boost::hana::second(pair)(obj);
+    using M = std::remove_cvref_t<decltype(member)>;
+    if constexpr (Reflectable<M>) {
+      if (dot == std::string_view::npos)
+        throw config_error(full_key, "is a group of options; set one of its members, e.g. '" +
+                                         full_key + ".<name>=...'");
+      done = set_path(member, path.substr(dot + 1), full_key, value);
+    } else {
+      if (dot != std::string_view::npos) return;
+      parse_text(member, full_key, value);
+      done = true;
+    }
+  });
+  return done;
+}
+
+template <class T>
+void validate_into(const T& v, const std::string& prefix) {
+  boost::hana::for_each(boost::hana::accessors<T>(), [&](auto pair) {
+    const char* name = boost::hana::to<const char*>(boost::hana::first(pair));
+    const auto& member = boost::hana::second(pair)(v);
+    using M = std::remove_cvref_t<decltype(member)>;
+    if constexpr (Reflectable<M>) validate_into(member, join(prefix, name));
+  });
+  if constexpr (requires(const std::string& p) { v.validate(p); })
+    v.validate(prefix.empty() ? std::string{} : prefix + ".");
+}
+}  // namespace detail
+
+/// `key = value` lines, one per leaf option, nested keys dotted.
+template <Reflectable T>
+std::string to_string(const T& opts) {
+  std::ostringstream os;
+  detail::print_into(os, opts, "");
+  return os.str();
+}
+
+/// The options as a JSON object (enums as their names).
+template <Reflectable T>
+nlohmann::json to_json(const T& opts) { return detail::to_json_value(opts); }
+
+/// Overwrites the members present in `j`; an unknown key or a wrong type throws `config_error`.
+template <Reflectable T>
+void from_json(T& opts, const nlohmann::json& j) { detail::from_json_object(opts, j, ""); }
+
+/// Sets one option by its dotted key from text: `set(o, "algorithm.clip_high", "0.28")`.
+template <Reflectable T>
+void set(T& opts, const std::string& key, const std::string& value) {
+  if (!detail::set_path(opts, key, key, value)) throw config_error(key, "unknown key");
+}
+
+/// Runs every `validate(prefix)` member of the options tree; throws `config_error` on a bad value.
+template <Reflectable T>
+void validate(const T& opts) { detail::validate_into(opts, ""); }
+
+/// Applies `key=value` arguments in order, then validates. Arguments without '=' are rejected.
+template <Reflectable T>
+void apply_overrides(T& opts, const std::vector<std::string>& args) {
+  for (const auto& a : args) {
+    const auto eq = a.find('=');
+    if (eq == std::string::npos || eq == 0)
+      throw config_error(a, "expected an override of the form key=value");
+    set(opts, a.substr(0, eq), a.substr(eq + 1));
+  }
+  validate(opts);
+}
+
+#if defined(UNIRL_WITH_YAML)
+namespace detail {
+inline nlohmann::json yaml_to_json(const YAML::Node& n) {
+  switch (n.Type()) {
+    case YAML::NodeType::Map: {
+      nlohmann::json j = nlohmann::json::object();
+      for (const auto& kv : n) j[kv.first.as<std::string>()] = yaml_to_json(kv.second);
+      return j;
+    }
+    case YAML::NodeType::Sequence: {
+      nlohmann::json j = nlohmann::json::array();
+      for (const auto& x : n) j.push_back(yaml_to_json(x));
+      return j;
+    }
+    case YAML::NodeType::Scalar: {
+      const auto s = n.Scalar();
+      if (n.Tag() == "!") return s;  // quoted scalar
+      if (s == "true" || s == "false") return s == "true";
+      try { std::size_t p = 0; long long v = std::stoll(s, &p); if (p == s.size()) return v; } catch (...) {}
+      try { std::size_t p = 0; double v = std::stod(s, &p); if (p == s.size()) return v; } catch (...) {}
+      return s;
+    }
+    default:
+      return nullptr;
+  }
+}
+}  // namespace detail
+#endif
+
+/// Loads a recipe: `.json`, or `.yaml` / `.yml` when unirl was built with yaml-cpp; validates.
+template <Reflectable T>
+void load_recipe(T& opts, const std::string& path) {
+  std::ifstream in(path);
+  if (!in) throw config_error("<recipe>", "cannot open recipe file '" + path + "'");
+  const bool yaml = path.ends_with(".yaml") || path.ends_with(".yml");
+  nlohmann::json j;
+  if (yaml) {
+#if defined(UNIRL_WITH_YAML)
+    try {
+      j = detail::yaml_to_json(YAML::LoadFile(path));
+    } catch (const YAML::Exception& e) {
+      throw config_error("<recipe>", "'" + path + "' is not valid YAML: " + e.what());
+    }
+#else
+    throw config_error("<recipe>", "'" + path + "' is YAML but unirl was built without yaml-cpp; use JSON");
+#endif
+  } else {
+    try {
+      j = nlohmann::json::parse(in);
+    } catch (const nlohmann::json::exception& e) {
+      throw config_error("<recipe>", "'" + path + "' is not valid JSON: " + e.what());
+    }
+  }
+  from_json(opts, j);
+  validate(opts);
+}
+
+/// Reads `--recipe FILE` (or `--recipe=FILE`) and `key=value` arguments from a command line;
+/// other arguments starting with "--" are returned for the caller to interpret.
+template <Reflectable T>
+std::vector<std::string> parse_command_line(T& opts, int argc, const char* const* argv) {
+  std::vector<std::string> overrides, rest;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    if (a == "--recipe" && i + 1 < argc) load_recipe(opts, argv[++i]);
+    else if (a.starts_with("--recipe=")) load_recipe(opts, a.substr(9));
+    else if (a.starts_with("--")) {
+      rest.push_back(a);
+      if (a.find('=') == std::string::npos && i + 1 < argc && std::string(argv[i + 1]).find('=') == std::string::npos &&
+          !std::string(argv[i + 1]).starts_with("--"))
+        rest.push_back(argv[++i]);
+    } else overrides.push_back(a);
+  }
+  apply_overrides(opts, overrides);
+  return rest;
+}
+
+/// Throws `config_error(key, ...)` naming the value unless `ok`.
+template <class V>
+void require(bool ok, const std::string& key, const V& value, std::string_view expected) {
+  if (!ok) throw config_error(key, "value " + detail::value_text(value) + " is out of range: expected " + std::string(expected));
+}
+
+}  // namespace options
+}  // namespace unirl

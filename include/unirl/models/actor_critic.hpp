@@ -1,0 +1,210 @@
+#pragma once
+/// \file actor_critic.hpp
+/// Actor-critic policies for the env track, as CleanRL's `ppo.py` / `ppo_continuous_action.py`
+/// build them: separate actor and critic MLPs (two tanh layers of 64 by default), orthogonal
+/// weights with gain sqrt(2) on hidden layers, 0.01 on the actor head and 1.0 on the critic head,
+/// zero biases. Two action distributions share the code:
+/// - `categorical` — logits over n discrete actions;
+/// - `diag_gaussian` — mean from the actor, state-independent log-std (a learned (1, A)
+///   parameter, initialised to `init_log_std`).
+///
+/// The policy is its own critic (the value head), so PPO needs no separate critic model.
+/// ```cpp
+/// unirl::models::categorical_actor_critic pi(4, 2);            // CartPole: 4 observations, 2 actions
+/// auto a = pi.act(torch::zeros({8, 4}));                       // a.action (8,) int64, a.logp, a.value
+/// unirl::models::gaussian_actor_critic mu(3, 1, {.init_log_std = 0.0});   // Pendulum
+/// ```
+#include <cmath>
+#include <cstdint>
+#include <memory>
+#include <numbers>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include <boost/hana.hpp>
+#include <torch/torch.h>
+
+#include <unirl/concepts/model.hpp>
+#include <unirl/core/error.hpp>
+#include <unirl/core/options.hpp>
+#include <unirl/models/module_adapter.hpp>
+#include <unirl/rollout/env.hpp>
+
+namespace unirl::models {
+
+/// Discrete actions: a softmax over the actor's logits.
+struct categorical {};
+/// Continuous actions: N(mean(obs), diag(exp(log_std))^2) with a state-independent log-std.
+struct diag_gaussian {};
+
+/// Architecture of an `actor_critic`.
+struct actor_critic_options {
+  std::vector<std::int64_t> hidden{64, 64};  // widths of the tanh hidden layers (actor and critic alike)
+  double init_log_std = 0.0;                 // diag_gaussian: initial log standard deviation
+  double actor_gain = 0.01;                  // orthogonal gain of the actor's output layer
+  double critic_gain = 1.0;                  // orthogonal gain of the critic's output layer
+
+  void validate(const std::string& prefix) const {
+    for (auto h : hidden) options::require(h >= 1, prefix + "hidden", h, "every width >= 1");
+    options::require(std::isfinite(init_log_std), prefix + "init_log_std", init_log_std, "a finite number");
+    options::require(actor_gain > 0, prefix + "actor_gain", actor_gain, "> 0");
+    options::require(critic_gain > 0, prefix + "critic_gain", critic_gain, "> 0");
+  }
+};
+
+}  // namespace unirl::models
+
+BOOST_HANA_ADAPT_STRUCT(unirl::models::actor_critic_options, hidden, init_log_std, actor_gain, critic_gain);
+
+namespace unirl::models {
+
+/// The network: `critic` (obs -> 1) and `actor` (obs -> logits or mean) MLPs, plus `log_std`.
+template <class Dist>
+class actor_critic_netImpl : public torch::nn::Cloneable<actor_critic_netImpl<Dist>> {
+ public:
+  actor_critic_netImpl(std::int64_t obs_dim, std::int64_t action_dim, actor_critic_options o = {})
+      : obs_dim_(obs_dim), action_dim_(action_dim), opts_(std::move(o)) {
+    UNIRL_CHECK(obs_dim >= 1, "actor_critic: obs_dim = ", obs_dim, ": expected >= 1");
+    UNIRL_CHECK(action_dim >= (std::is_same_v<Dist, categorical> ? 2 : 1), "actor_critic: action_dim = ", action_dim,
+                std::is_same_v<Dist, categorical> ? ": expected >= 2 discrete actions" : ": expected >= 1");
+    opts_.validate("actor_critic.");
+    reset();
+  }
+
+  void reset() override {
+    critic = this->register_module("critic", mlp(1, opts_.critic_gain));
+    actor = this->register_module("actor", mlp(action_dim_, opts_.actor_gain));
+    if constexpr (std::is_same_v<Dist, diag_gaussian>)
+      log_std = this->register_parameter("log_std", torch::full({1, action_dim_}, opts_.init_log_std));
+  }
+
+  std::int64_t obs_dim() const { return obs_dim_; }
+  std::int64_t action_dim() const { return action_dim_; }
+
+  torch::nn::Sequential critic{nullptr}, actor{nullptr};
+  torch::Tensor log_std;  // (1, A), diag_gaussian only
+
+ private:
+  torch::nn::Sequential mlp(std::int64_t out, double head_gain) const {
+    torch::nn::Sequential s;
+    std::int64_t in = obs_dim_;
+    auto layer = [&](std::int64_t o, double gain) {
+      torch::nn::Linear l(in, o);
+      torch::NoGradGuard ng;
+      torch::nn::init::orthogonal_(l->weight, gain);
+      torch::nn::init::constant_(l->bias, 0.0);
+      in = o;
+      return l;
+    };
+    for (auto h : opts_.hidden) {
+      s->push_back(layer(h, std::sqrt(2.0)));
+      s->push_back(torch::nn::Tanh());
+    }
+    s->push_back(layer(out, head_gain));
+    return s;
+  }
+
+  std::int64_t obs_dim_, action_dim_;
+  actor_critic_options opts_;
+};
+
+/// Module holder of `actor_critic_netImpl<Dist>` (what `TORCH_MODULE` would declare).
+template <class Dist>
+class actor_critic_net : public torch::nn::ModuleHolder<actor_critic_netImpl<Dist>> {
+ public:
+  using Impl = actor_critic_netImpl<Dist>;
+  using torch::nn::ModuleHolder<Impl>::ModuleHolder;
+};
+
+/// The env-track model adapter: acts, re-evaluates stored actions and values observations.
+template <class Dist>
+class actor_critic : public module_adapter<actor_critic<Dist>, actor_critic_net<Dist>> {
+  using base = module_adapter<actor_critic<Dist>, actor_critic_net<Dist>>;
+
+ public:
+  using track = env_track;
+  using distribution = Dist;
+  static constexpr bool discrete = std::is_same_v<Dist, categorical>;
+
+  /// `action_dim`: number of actions (categorical) or action dimension (diag_gaussian).
+  actor_critic(std::int64_t obs_dim, std::int64_t action_dim, actor_critic_options o = {})
+      : base(actor_critic_net<Dist>(obs_dim, action_dim, std::move(o))) {}
+
+  /// V(obs): (B, D) -> (B,).
+  torch::Tensor value(const torch::Tensor& obs) const { return this->net_->critic->forward(input(obs)).squeeze(-1); }
+
+  /// Samples actions for (B, D) observations, with their log-probabilities and values.
+  env_action act(const torch::Tensor& obs) const {
+    const auto x = input(obs);
+    const auto head = this->net_->actor->forward(x);
+    env_action a;
+    if constexpr (discrete) {
+      const auto logp_all = torch::log_softmax(head, -1);
+      a.action = torch::multinomial(logp_all.exp(), 1).squeeze(-1);
+      a.logp = logp_all.gather(-1, a.action.unsqueeze(-1)).squeeze(-1);
+    } else {
+      const auto log_std = this->net_->log_std.expand_as(head);
+      a.action = head + log_std.exp() * torch::randn_like(head);
+      a.logp = gaussian_logp(a.action, head, log_std);
+    }
+    a.value = this->net_->critic->forward(x).squeeze(-1);
+    return a;
+  }
+
+  /// The most likely action (argmax / mean): for evaluating a trained policy.
+  torch::Tensor greedy(const torch::Tensor& obs) const {
+    const auto head = this->net_->actor->forward(input(obs));
+    if constexpr (discrete) return head.argmax(-1);
+    else return head;
+  }
+
+  /// log pi(actions | obs), entropy and value, differentiable: for the loss.
+  env_evaluation evaluate(const torch::Tensor& obs, const torch::Tensor& actions) const {
+    const auto x = input(obs);
+    const auto head = this->net_->actor->forward(x);
+    env_evaluation e;
+    if constexpr (discrete) {
+      UNIRL_CHECK(!actions.is_floating_point() && actions.dim() == 1 && actions.size(0) == x.size(0),
+                  "actor_critic::evaluate: actions of shape ", actions.sizes(), " and type ", actions.scalar_type(),
+                  ": expected (", x.size(0), ",) integers");
+      const auto logp_all = torch::log_softmax(head, -1);
+      e.logp = logp_all.gather(-1, actions.to(torch::kLong).unsqueeze(-1)).squeeze(-1);
+      e.entropy = -(logp_all.exp() * logp_all).sum(-1);
+    } else {
+      UNIRL_CHECK(actions.sizes() == head.sizes(), "actor_critic::evaluate: actions of shape ", actions.sizes(),
+                  ": expected ", head.sizes());
+      const auto log_std = this->net_->log_std.expand_as(head);
+      e.logp = gaussian_logp(actions.to(head.scalar_type()), head, log_std);
+      e.entropy = (log_std + 0.5 * (1.0 + std::log(2.0 * std::numbers::pi))).sum(-1);
+    }
+    e.value = this->net_->critic->forward(x).squeeze(-1);
+    return e;
+  }
+
+  std::int64_t obs_dim() const { return this->net_->obs_dim(); }
+  std::int64_t action_dim() const { return this->net_->action_dim(); }
+
+ private:
+  torch::Tensor input(const torch::Tensor& obs) const {
+    UNIRL_CHECK(obs.dim() == 2 && obs.size(1) == obs_dim(), "actor_critic: observations of shape ", obs.sizes(),
+                ": expected (B, ", obs_dim(), ")");
+    return obs.to(this->device(), torch::kFloat);
+  }
+  static torch::Tensor gaussian_logp(const torch::Tensor& a, const torch::Tensor& mean, const torch::Tensor& log_std) {
+    const double half_log_2pi = 0.5 * std::log(2.0 * std::numbers::pi);
+    return (-(a - mean).square() * 0.5 * torch::exp(-2.0 * log_std) - log_std - half_log_2pi).sum(-1);
+  }
+};
+
+/// Categorical policy (CartPole, discrete actions).
+using categorical_actor_critic = actor_critic<categorical>;
+/// Diagonal-Gaussian policy with state-independent log-std (Pendulum, continuous actions).
+using gaussian_actor_critic = actor_critic<diag_gaussian>;
+
+static_assert(ModelAdapter<categorical_actor_critic>);
+static_assert(ModelAdapter<gaussian_actor_critic>);
+static_assert(EnvPolicy<categorical_actor_critic>);
+static_assert(EnvPolicy<gaussian_actor_critic>);
+
+}  // namespace unirl::models

@@ -1,0 +1,261 @@
+#pragma once
+/// \file gpt.hpp
+/// A small built-in GPT (pre-norm transformer, causal self-attention, learned positions) with a
+/// KV cache, and its adapters: `models::gpt` (a `CausalLM` of the token track) and
+/// `models::gpt_critic` (the value model PPO builds from it).
+///
+/// ```cpp
+/// unirl::models::gpt model{{.vocab_size = 16, .max_len = 32, .n_layer = 2, .n_head = 4, .d_model = 64}};
+/// auto logits = model.logits(ids, torch::ones_like(ids, torch::kFloat));      // (B, L, 16)
+/// auto cache = model.make_cache(B, 32);
+/// auto next = model.logits_cached(ids, torch::ones_like(ids, torch::kFloat), cache);  // same logits
+/// ```
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include <boost/hana.hpp>
+#include <torch/torch.h>
+
+#include <unirl/core/error.hpp>
+#include <unirl/core/options.hpp>
+#include <unirl/models/causal_lm.hpp>
+#include <unirl/models/module_adapter.hpp>
+#include <unirl/rollout/token.hpp>
+
+namespace unirl::models {
+
+/// Size of a `gpt`.
+struct gpt_options {
+  std::int64_t vocab_size = 32;
+  std::int64_t max_len = 64;   // longest sequence (prompt + completion) the position table covers
+  std::int64_t n_layer = 2;
+  std::int64_t n_head = 4;
+  std::int64_t d_model = 64;
+  std::int64_t out_dim = 0;    // 0: vocab_size logits; 1: a scalar value head (critic)
+
+  void validate(const std::string& p) const {
+    options::require(vocab_size >= 2, p + "vocab_size", vocab_size, ">= 2");
+    options::require(max_len >= 2, p + "max_len", max_len, ">= 2");
+    options::require(n_layer >= 1, p + "n_layer", n_layer, ">= 1");
+    options::require(n_head >= 1 && d_model % n_head == 0, p + "n_head", n_head, ">= 1 and dividing d_model");
+    options::require(out_dim >= 0, p + "out_dim", out_dim, ">= 0");
+  }
+};
+
+}  // namespace unirl::models
+
+BOOST_HANA_ADAPT_STRUCT(unirl::models::gpt_options, vocab_size, max_len, n_layer, n_head, d_model, out_dim);
+
+namespace unirl::models {
+
+/// Keys and values of every layer for incremental decoding.
+struct kv_cache {
+  std::vector<torch::Tensor> k, v;  // per layer (B, H, capacity, Dh)
+  torch::Tensor mask;               // (B, capacity) float, 1 = real token
+  torch::Tensor count;              // (B,) int64, real tokens so far (the next position)
+  std::int64_t length = 0;          // slots filled
+  std::int64_t capacity = 0;
+};
+
+/// One pre-norm transformer block.
+class gpt_block_impl : public torch::nn::Cloneable<gpt_block_impl> {
+ public:
+  gpt_block_impl(std::int64_t d_model, std::int64_t n_head) : d_(d_model), h_(n_head) { reset(); }
+
+  void reset() override {
+    ln1 = register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d_})));
+    qkv = register_module("qkv", torch::nn::Linear(d_, 3 * d_));
+    proj = register_module("proj", torch::nn::Linear(d_, d_));
+    ln2 = register_module("ln2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d_})));
+    fc1 = register_module("fc1", torch::nn::Linear(d_, 4 * d_));
+    fc2 = register_module("fc2", torch::nn::Linear(4 * d_, d_));
+  }
+
+  /// x (B, n, D); bias (B, 1, n, S) additive; k_all/v_all receive this chunk's keys at [start, start+n)
+  /// when given (cache), else keys are this chunk only.
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& bias, torch::Tensor* k_all, torch::Tensor* v_all,
+                        std::int64_t start) {
+    const auto B = x.size(0), n = x.size(1), dh = d_ / h_;
+    auto parts = qkv(ln1(x)).view({B, n, 3, h_, dh}).permute({2, 0, 3, 1, 4});  // (3, B, H, n, Dh)
+    auto q = parts[0], k = parts[1], v = parts[2];
+    if (k_all) {
+      k_all->slice(2, start, start + n).copy_(k);
+      v_all->slice(2, start, start + n).copy_(v);
+      k = k_all->slice(2, 0, start + n);
+      v = v_all->slice(2, 0, start + n);
+    }
+    auto att = torch::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(dh))) + bias;
+    att = torch::softmax(att, -1);
+    auto y = torch::matmul(att, v).transpose(1, 2).reshape({B, n, d_});
+    auto h = x + proj(y);
+    return h + fc2(torch::gelu(fc1(ln2(h))));
+  }
+
+  torch::nn::LayerNorm ln1{nullptr}, ln2{nullptr};
+  torch::nn::Linear qkv{nullptr}, proj{nullptr}, fc1{nullptr}, fc2{nullptr};
+
+ private:
+  std::int64_t d_, h_;
+};
+TORCH_MODULE_IMPL(gpt_block, gpt_block_impl);
+
+/// The network: token + position embeddings, `n_layer` blocks, final norm, linear head.
+class gpt_net_impl : public torch::nn::Cloneable<gpt_net_impl> {
+ public:
+  explicit gpt_net_impl(gpt_options o = {}) : o_(o) {
+    unirl::options::validate(o_);
+    reset();
+  }
+
+  void reset() override {
+    tok = register_module("tok", torch::nn::Embedding(o_.vocab_size, o_.d_model));
+    pos = register_module("pos", torch::nn::Embedding(o_.max_len, o_.d_model));
+    blocks = register_module("blocks", torch::nn::ModuleList());
+    for (std::int64_t i = 0; i < o_.n_layer; ++i) blocks->push_back(gpt_block(o_.d_model, o_.n_head));
+    ln_f = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({o_.d_model})));
+    head = register_module("head", torch::nn::Linear(torch::nn::LinearOptions(
+                                                         o_.d_model, o_.out_dim > 0 ? o_.out_dim : o_.vocab_size)
+                                                         .bias(o_.out_dim > 0)));
+    // GPT-2 initialisation: N(0, 0.02) weights, zero biases, residual projections scaled down.
+    for (auto& p : named_parameters()) {
+      torch::NoGradGuard ng;
+      const auto& name = p.key();
+      if (name.find("ln") != std::string::npos) continue;
+      if (name.ends_with("bias")) p.value().zero_();
+      else if (name.ends_with("proj.weight") || name.ends_with("fc2.weight"))
+        p.value().normal_(0.0, 0.02 / std::sqrt(2.0 * static_cast<double>(o_.n_layer)));
+      else p.value().normal_(0.0, 0.02);
+    }
+  }
+
+  const gpt_options& config() const { return o_; }
+
+  /// Full forward: ids (B, L), mask (B, L) -> (B, L, out) outputs.
+  torch::Tensor forward(const torch::Tensor& ids, const torch::Tensor& mask) {
+    check_inputs(ids, mask);
+    const auto L = ids.size(1);
+    const auto m = mask.to(torch::kFloat);
+    const auto positions = (m.cumsum(1) - 1.0).clamp_min(0.0).to(torch::kInt64);
+    UNIRL_CHECK(L == 0 || positions.max().item<std::int64_t>() < o_.max_len, "gpt: a sequence has more than max_len = ",
+                o_.max_len, " tokens");
+    const auto bias = attention_bias(m.to(torch::kBool), 0, L, ids.device());
+    auto x = tok(ids) + pos(positions);
+    for (const auto& b : *blocks) x = b->as<gpt_block_impl>()->forward(x, bias, nullptr, nullptr, 0);
+    return head(ln_f(x));
+  }
+
+  /// An empty cache for `batch` sequences of up to `capacity` tokens.
+  kv_cache make_cache(std::int64_t batch, std::int64_t capacity) const {
+    UNIRL_CHECK(batch >= 0 && capacity >= 1, "gpt::make_cache: batch = ", batch, ", capacity = ", capacity,
+                ": expected batch >= 0 and capacity >= 1");
+    const auto p = tok->weight;
+    const auto opts = p.options().requires_grad(false);
+    kv_cache c;
+    const auto dh = o_.d_model / o_.n_head;
+    for (std::int64_t i = 0; i < o_.n_layer; ++i) {
+      c.k.push_back(torch::zeros({batch, o_.n_head, capacity, dh}, opts));
+      c.v.push_back(torch::zeros({batch, o_.n_head, capacity, dh}, opts));
+    }
+    c.mask = torch::zeros({batch, capacity}, opts.dtype(torch::kFloat));
+    c.count = torch::zeros({batch}, opts.dtype(torch::kInt64));
+    c.capacity = capacity;
+    return c;
+  }
+
+  /// Incremental forward of the next n tokens: ids (B, n), mask (B, n) -> (B, n, out).
+  torch::Tensor forward_cached(const torch::Tensor& ids, const torch::Tensor& mask, kv_cache& c) {
+    check_inputs(ids, mask);
+    const auto n = ids.size(1), start = c.length;
+    UNIRL_CHECK(start + n <= c.capacity, "gpt: the KV cache holds ", c.capacity, " tokens; ", start + n, " needed");
+    const auto m = mask.to(torch::kFloat);
+    c.mask.slice(1, start, start + n).copy_(m);
+    const auto positions = (c.count.unsqueeze(1).to(torch::kFloat) + m.cumsum(1) - 1.0).clamp_min(0.0).to(torch::kInt64);
+    UNIRL_CHECK(positions.max().item<std::int64_t>() < o_.max_len, "gpt: a sequence has more than max_len = ",
+                o_.max_len, " tokens");
+    c.count += m.sum(1).to(torch::kInt64);
+    const auto bias = attention_bias(c.mask.slice(1, 0, start + n).to(torch::kBool), start, n, ids.device());
+    auto x = tok(ids) + pos(positions);
+    std::int64_t l = 0;
+    for (const auto& b : *blocks) {
+      x = b->as<gpt_block_impl>()->forward(x, bias, &c.k[static_cast<std::size_t>(l)], &c.v[static_cast<std::size_t>(l)], start);
+      ++l;
+    }
+    c.length = start + n;
+    return head(ln_f(x));
+  }
+
+  torch::nn::Embedding tok{nullptr}, pos{nullptr};
+  torch::nn::ModuleList blocks{nullptr};
+  torch::nn::LayerNorm ln_f{nullptr};
+  torch::nn::Linear head{nullptr};
+
+ private:
+  void check_inputs(const torch::Tensor& ids, const torch::Tensor& mask) const {
+    UNIRL_CHECK(ids.dim() == 2, "gpt: ids must be (B, L) int64, got sizes ", ids.sizes());
+    UNIRL_CHECK(mask.sizes() == ids.sizes(), "gpt: mask sizes ", mask.sizes(), " differ from ids sizes ", ids.sizes());
+  }
+
+  // (B, 1, n, S) additive bias for queries at slots [start, start+n) over keys [0, S): a query sees
+  // real keys at or before it, and always itself (so a padding row never softmaxes over nothing).
+  static torch::Tensor attention_bias(const torch::Tensor& key_mask, std::int64_t start, std::int64_t n,
+                                      torch::Device dev) {
+    const auto S = key_mask.size(1);
+    const auto qi = torch::arange(start, start + n, torch::TensorOptions(torch::kInt64).device(dev)).unsqueeze(1);
+    const auto kj = torch::arange(S, torch::TensorOptions(torch::kInt64).device(dev)).unsqueeze(0);
+    const auto causal = (kj <= qi).unsqueeze(0);                 // (1, n, S)
+    const auto self = (kj == qi).unsqueeze(0);
+    const auto allowed = (causal & key_mask.unsqueeze(1)) | self;  // (B, n, S)
+    return torch::zeros(allowed.sizes(), torch::TensorOptions(torch::kFloat).device(dev))
+        .masked_fill(allowed.logical_not(), -std::numeric_limits<float>::infinity())
+        .unsqueeze(1);
+  }
+
+  gpt_options o_;
+};
+TORCH_MODULE_IMPL(gpt_net, gpt_net_impl);
+
+/// The value model PPO builds from a `gpt`: same backbone (weights copied), scalar head.
+struct gpt_critic : module_adapter<gpt_critic, gpt_net> {
+  using module_adapter::module_adapter;
+  /// V of every prefix: ids (B, L), mask (B, L) -> (B, L).
+  torch::Tensor values(const torch::Tensor& ids, const torch::Tensor& mask) const {
+    return net_.ptr()->forward(ids, mask).squeeze(-1);
+  }
+};
+static_assert(TokenCritic<gpt_critic>);
+
+/// The built-in causal LM adapter of the token track.
+struct gpt : module_adapter<gpt, gpt_net> {
+  using track = token_track;
+  using cache_type = kv_cache;
+  using module_adapter::module_adapter;
+  explicit gpt(const gpt_options& o) : module_adapter(gpt_net(o)) {}
+
+  torch::Tensor logits(const torch::Tensor& ids, const torch::Tensor& mask) const { return net_.ptr()->forward(ids, mask); }
+  kv_cache make_cache(std::int64_t batch, std::int64_t capacity) const { return net_->make_cache(batch, capacity); }
+  torch::Tensor logits_cached(const torch::Tensor& ids, const torch::Tensor& mask, kv_cache& c) const {
+    return net_.ptr()->forward_cached(ids, mask, c);
+  }
+  std::int64_t vocab_size() const { return net_->config().vocab_size; }
+  std::int64_t max_length() const { return net_->config().max_len; }
+
+  /// A critic with this model's backbone weights and a fresh scalar head.
+  gpt_critic make_critic() const {
+    auto o = net_->config();
+    o.out_dim = 1;
+    gpt_net critic(o);
+    torch::NoGradGuard ng;
+    auto src = net_->named_parameters();
+    for (auto& p : critic->named_parameters())
+      if (!p.key().starts_with("head.") && src.contains(p.key())) p.value().copy_(src[p.key()]);
+    critic->to(device());
+    return gpt_critic(critic);
+  }
+};
+static_assert(CausalLM<gpt>);
+static_assert(CriticFactory<gpt>);
+
+}  // namespace unirl::models

@@ -1,0 +1,466 @@
+#pragma once
+/// \file trainer.hpp
+/// The entry point: `unirl::trainer<Model, Algorithm, Reward, Parallel>` runs one loop for every
+/// modality — sample → reward → advantage → update → sync — one `step()` per iteration.
+///
+/// ```cpp
+/// using my_trainer = unirl::trainer<my_model, unirl::algo::grpo<>, my_reward>;
+/// my_trainer t{my_model{net}, my_reward{}, {.algorithm = {.clip_high = 0.28f},
+///                                            .optim = {.lr = 1e-5}, .group_size = 8}};
+/// for (const auto& prompts : loader) {
+///   unirl::step_stats s = t.step(prompts);
+/// }
+/// t.save("run/checkpoint.pt");
+/// ```
+/// The trainer builds only what the algorithm declares it needs (`requires_reference`,
+/// `requires_critic`, `requires_ema_rollout`), owns the optimizer (AdamW with parameter groups),
+/// the learning-rate schedule, gradient clipping, the stability guard, metrics and checkpoints.
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <iostream>
+#include <memory>
+#include <optional>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include <boost/hana.hpp>
+#include <torch/torch.h>
+
+#include <unirl/concepts/algorithm.hpp>
+#include <unirl/concepts/model.hpp>
+#include <unirl/concepts/parallel.hpp>
+#include <unirl/concepts/reward.hpp>
+#include <unirl/concepts/rollout.hpp>
+#include <unirl/config.hpp>
+#include <unirl/core/context.hpp>
+#include <unirl/core/error.hpp>
+#include <unirl/core/options.hpp>
+#include <unirl/core/stats.hpp>
+#include <unirl/exec/policy.hpp>
+#include <unirl/parallel/single_device.hpp>
+#include <unirl/train/checkpoint.hpp>
+#include <unirl/train/clip.hpp>
+#include <unirl/train/guard.hpp>
+#include <unirl/train/metrics.hpp>
+#include <unirl/train/optimizer.hpp>
+#include <unirl/train/schedule.hpp>
+
+namespace unirl {
+
+/// Run-time settings of a `trainer<..., Algorithm, ...>`; an aggregate for designated initializers.
+template <class Algorithm>
+struct trainer_options {
+  typename Algorithm::options algorithm{};  // the algorithm's own options
+  train::optimizer_options optim{};         // AdamW and its parameter groups
+  train::schedule_options schedule{};       // warmup + constant / linear / cosine
+  train::clip_options clip{};               // global gradient-norm clipping
+  train::guard_options guard{};             // NaN/Inf skips, loss and grad-norm spike monitor
+  std::int64_t group_size = Algorithm::requires_group ? 8 : 1;  // samples per prompt / condition
+  std::int64_t epochs = 1;        // passes over each rollout batch
+  std::int64_t minibatches = 1;   // optimizer steps per pass
+  std::int64_t seed = 0;          // seeds LibTorch's generators (plus the rank)
+  std::string device = "cpu";     // "cpu", "cuda", "cuda:1"
+  std::string metrics_path{};     // JSONL, one object per step; empty: none
+  bool progress = true;           // one-line progress display on stderr
+  std::int64_t total_steps = 0;   // for the ETA, and the schedule when its total_steps is 0
+
+  void validate(const std::string& p) const {
+    options::require(group_size >= 1, p + "group_size", group_size, ">= 1");
+    if constexpr (Algorithm::requires_group)
+      options::require(group_size >= 2, p + "group_size", group_size,
+                       ">= 2: this algorithm normalises rewards within a group");
+    options::require(epochs >= 1, p + "epochs", epochs, ">= 1");
+    options::require(minibatches >= 1, p + "minibatches", minibatches, ">= 1");
+    if constexpr (!Algorithm::supports_multi_update)
+      options::require(epochs * minibatches == 1, p + "epochs", epochs,
+                       "1 with minibatches = 1: this algorithm is strictly on-policy");
+    options::require(total_steps >= 0, p + "total_steps", total_steps, ">= 0");
+    try {
+      (void)torch::Device(device);
+    } catch (const std::exception&) {
+      throw config_error(p + "device", "value \"" + device + "\" is not a device: expected cpu, cuda or cuda:N");
+    }
+  }
+};
+
+}  // namespace unirl
+
+// trainer_options is a template, so BOOST_HANA_ADAPT_STRUCT cannot adapt it; this is the same
+// accessor table the macro would generate.
+namespace boost::hana {
+template <class A>
+struct accessors_impl<unirl::trainer_options<A>> {
+#define UNIRL_MEMBER(name) \
+  make_pair(BOOST_HANA_STRING(#name), [](auto&& s) -> decltype(auto) { return (static_cast<decltype(s)&&>(s).name); })
+  static constexpr auto apply() {
+    return make_tuple(UNIRL_MEMBER(algorithm), UNIRL_MEMBER(optim), UNIRL_MEMBER(schedule), UNIRL_MEMBER(clip),
+                      UNIRL_MEMBER(guard), UNIRL_MEMBER(group_size), UNIRL_MEMBER(epochs),
+                      UNIRL_MEMBER(minibatches), UNIRL_MEMBER(seed), UNIRL_MEMBER(device),
+                      UNIRL_MEMBER(metrics_path), UNIRL_MEMBER(progress), UNIRL_MEMBER(total_steps));
+  }
+#undef UNIRL_MEMBER
+};
+}  // namespace boost::hana
+
+namespace unirl {
+
+/// The composed trainer. Slots: a `ModelAdapter`, an `Algorithm` for the model's track
+/// (`AlgorithmFor`), a reward for the track's rollout batch (`RewardFor`), a `ParallelStrategy`.
+template <class Model, class Algorithm, class Reward, class Parallel = par::single_device>
+class trainer {
+  static_assert(TrainableModule<Model>,
+                "unirl::trainer: Model does not model TrainableModule: it needs parameters(), named_parameters(), "
+                "named_buffers(), clone(), train(bool) and to(torch::Device) (see unirl::models::module_adapter)");
+  static_assert(ModelAdapter<Model>,
+                "unirl::trainer: Model does not model ModelAdapter: it needs a `track` member type with a "
+                "`rollout_type` (token_track, flow_track, env_track or a track of your own)");
+  static_assert(::unirl::Algorithm<Algorithm>,
+                "unirl::trainer: Algorithm does not model unirl::Algorithm: it needs `options`, a constructor "
+                "from options and the requires_* flags (see concepts/algorithm.hpp)");
+  static_assert(AlgorithmFor<Algorithm, Model>,
+                "unirl::trainer: Algorithm does not model AlgorithmFor<Algorithm, Model>: it cannot train this "
+                "model's track (supports_track, advantage(...) and loss(...) on rollout_t<Model>)");
+  static_assert(RewardFor<Reward, rollout_t<Model>>,
+                "unirl::trainer: Reward does not model RewardFor<Reward, rollout_t<Model>>: it must be callable "
+                "on the model's rollout batch and return torch::Tensor (one score per sample)");
+  static_assert(ParallelStrategy<Parallel>,
+                "unirl::trainer: Parallel does not model ParallelStrategy (see concepts/parallel.hpp)");
+
+ public:
+  using model_type = Model;
+  using algorithm_type = Algorithm;
+  using reward_type = Reward;
+  using parallel_type = Parallel;
+  using rollout_type = rollout_t<Model>;
+  using options = trainer_options<Algorithm>;
+
+  /// Builds the models the algorithm needs, the optimizer and the guard. Throws
+  /// `config_error` naming the key for an invalid option.
+  trainer(Model model, Reward reward, options opts = {}, Parallel parallel = {})
+      : opts_(checked(std::move(opts))),
+        device_(opts_.device),
+        parallel_(std::move(parallel)),
+        models_{std::move(model)},
+        reward_(std::move(reward)),
+        algorithm_(opts_.algorithm),
+        guard_(opts_.guard) {
+    torch::manual_seed(static_cast<std::uint64_t>(opts_.seed + parallel_.rank()));
+    models_.policy.to(device_);
+    if constexpr (Algorithm::requires_reference) {
+      bool use = true;
+      if constexpr (requires(const Algorithm& a) { { a.uses_reference() } -> std::convertible_to<bool>; })
+        use = algorithm_.uses_reference();
+      if (use) models_.reference.emplace(frozen_copy(models_.policy));
+    }
+    if constexpr (Algorithm::requires_critic && CriticFactory<Model>) {
+      models_.critic.emplace(models_.policy.make_critic());
+      models_.critic->to(device_);
+    }
+    if constexpr (Algorithm::requires_ema_rollout) models_.ema.emplace(frozen_copy(models_.policy));
+
+    named_tensors named = models_.policy.named_parameters();
+    if constexpr (Algorithm::requires_critic && CriticFactory<Model>)
+      for (auto& [n, t] : models_.critic->named_parameters()) named.emplace_back("critic." + n, t);
+    for (auto& [n, t] : named) {
+      (void)n;
+      if (t.requires_grad()) params_.push_back(t);
+    }
+    UNIRL_CHECK(!params_.empty(), "trainer: the model has no trainable parameters");
+    parallel_.broadcast(params_, 0);
+    optimizer_ = std::make_unique<train::optimizer>(named, opts_.optim);
+  }
+
+  /// One iteration of the loop on `input` (prompts, conditions, an environment).
+  template <class Input>
+    requires SamplesFrom<Algorithm, Model, std::remove_reference_t<Input>>
+  step_stats step(Input&& input) {
+    using clock = std::chrono::steady_clock;
+    auto seconds = [](clock::time_point a, clock::time_point b) { return std::chrono::duration<double>(b - a).count(); };
+    step_stats s;
+    s.step = step_;
+    const step_info info{step_, opts_.group_size, device_, &s.extra};
+    optimizer_->set_lr_multiplier(train::lr_multiplier(schedule(), step_));
+    s.learning_rate = optimizer_->learning_rate();
+
+    const auto t0 = clock::now();
+    std::optional<rollout_type> batch;
+    {
+      torch::NoGradGuard no_grad;
+      models_.policy.train(false);
+      batch.emplace(algorithm_.sample(models_, input, info));
+    }
+    const auto t1 = clock::now();
+    torch::Tensor rewards;
+    {
+      torch::NoGradGuard no_grad;
+      rewards = reward_(*batch);
+    }
+    check_rewards(rewards, batch->size());
+    if constexpr (ReportsComponents<Reward>)
+      for (const auto& [k, v] : reward_.last_components()) s.extra["reward/" + k] = v;
+    const auto t2 = clock::now();
+    s.samples = batch->size();
+    const bool rewards_ok = parallel_.all_agree(train::stability_guard::finite(rewards));
+    fill_reward_stats(s, rewards);
+
+    torch::Tensor adv;
+    if (rewards_ok) {
+      torch::NoGradGuard no_grad;
+      adv = algorithm_.advantage(models_, *batch, rewards.to(device_), info);
+      if (adv.defined() && adv.numel() > 0) {
+        s.advantage_mean = adv.mean().item<double>();
+        s.advantage_std = adv.numel() > 1 ? adv.std().item<double>() : 0.0;
+      }
+    }
+    const auto t3 = clock::now();
+    if (rewards_ok) {
+      update(*batch, info, s);
+    } else {
+      ++s.skipped_updates;
+      guard_.count_skip();
+      std::cerr << "unirl: step " << step_ << ": non-finite reward; update skipped, weights unchanged\n";
+    }
+    const auto t4 = clock::now();
+    parallel_.sync_weights(models_.policy.parameters());
+    const auto t5 = clock::now();
+
+    s.time_sample = seconds(t0, t1);
+    s.time_reward = seconds(t1, t2);
+    s.time_advantage = seconds(t2, t3);
+    s.time_update = seconds(t3, t4);
+    s.time_sync = seconds(t4, t5);
+    s.seconds = seconds(t0, t5);
+    s.samples_per_second = s.seconds > 0 ? static_cast<double>(s.samples) / s.seconds : 0.0;
+    s.skipped_total = guard_.skipped_total();
+    ++step_;
+    report(s);
+    return s;
+  }
+
+  /// Writes a checkpoint atomically (temporary file, then rename): models, optimizer, guard,
+  /// RNG states, step, options and the algorithm's own state.
+  void save(const std::string& path) const {
+    train::write_checkpoint(path, [&](torch::serialize::OutputArchive& a) {
+      a.write("unirl.format", torch::tensor(std::int64_t{1}));
+      a.write("unirl.step", torch::tensor(step_));
+      train::save_tensors(a, "policy.", state_of(models_.policy));
+      if (models_.reference) train::save_tensors(a, "reference.", state_of(*models_.reference));
+      if (models_.ema) train::save_tensors(a, "ema.", state_of(*models_.ema));
+      if constexpr (Algorithm::requires_critic && CriticFactory<Model>)
+        train::save_tensors(a, "critic.", state_of(*models_.critic));
+      torch::serialize::OutputArchive opt, guard;
+      optimizer_->save(opt);
+      a.write("optimizer", opt);
+      guard_.save(guard);
+      a.write("guard", guard);
+      if constexpr (requires(const Algorithm& al, torch::serialize::OutputArchive& ar) { al.save(ar); }) {
+        torch::serialize::OutputArchive alg;
+        algorithm_.save(alg);
+        a.write("algorithm", alg);
+      }
+      train::save_rng(a);
+      a.write("options", text_tensor(::unirl::options::to_json(opts_).dump()));
+    });
+  }
+
+  /// Restores a checkpoint written by `save`; training continues bit for bit on CPU.
+  /// A missing, truncated or corrupted file throws `checkpoint_error`.
+  void load(const std::string& path) {
+    train::read_checkpoint(path, [&](torch::serialize::InputArchive& a) {
+      torch::Tensor t;
+      a.read("unirl.step", t);
+      step_ = t.item<std::int64_t>();
+      train::load_tensors(a, "policy.", state_of(models_.policy));
+      if (models_.reference) train::load_tensors(a, "reference.", state_of(*models_.reference));
+      if (models_.ema) train::load_tensors(a, "ema.", state_of(*models_.ema));
+      if constexpr (Algorithm::requires_critic && CriticFactory<Model>)
+        train::load_tensors(a, "critic.", state_of(*models_.critic));
+      torch::serialize::InputArchive opt, guard;
+      a.read("optimizer", opt);
+      optimizer_->load(opt);
+      a.read("guard", guard);
+      guard_.load(guard);
+      if constexpr (requires(Algorithm& al, torch::serialize::InputArchive& ar) { al.load(ar); }) {
+        torch::serialize::InputArchive alg;
+        a.read("algorithm", alg);
+        algorithm_.load(alg);
+      }
+      train::load_rng(a);
+    });
+    resumed_ = true;
+  }
+
+  /// The options stored in a checkpoint (to resume a run with the settings it was started with).
+  static options checkpoint_options(const std::string& path) {
+    options o;
+    train::read_checkpoint(path, [&](torch::serialize::InputArchive& a) {
+      torch::Tensor t;
+      a.read("options", t);
+      ::unirl::options::from_json(o, nlohmann::json::parse(tensor_text(t)));
+    });
+    return o;
+  }
+
+  model_set<Model>& models() { return models_; }
+  const model_set<Model>& models() const { return models_; }
+  Reward& reward() { return reward_; }
+  Algorithm& algorithm() { return algorithm_; }
+  Parallel& parallel() { return parallel_; }
+  const options& settings() const { return opts_; }
+  train::optimizer& optimizer() { return *optimizer_; }
+  std::int64_t step_count() const { return step_; }
+  torch::Device device() const { return device_; }
+  /// `key = value` lines of every option (print it at the start of a run).
+  std::string describe() const { return ::unirl::options::to_string(opts_); }
+
+ private:
+  static options checked(options o) {
+    ::unirl::options::validate(o);
+    return o;
+  }
+
+  static Model frozen_copy(const Model& m) {
+    Model c = m.clone();
+    for (auto& p : c.parameters()) p.set_requires_grad(false);
+    c.train(false);
+    return c;
+  }
+
+  template <class T>
+  static named_tensors state_of(const T& m) {
+    named_tensors all = m.named_parameters();
+    for (auto& b : m.named_buffers()) all.push_back(b);
+    return all;
+  }
+
+  static torch::Tensor text_tensor(const std::string& s) {
+    return torch::from_blob(const_cast<char*>(s.data()), {static_cast<std::int64_t>(s.size())}, torch::kUInt8).clone();
+  }
+  static std::string tensor_text(const torch::Tensor& t) {
+    auto c = t.contiguous();
+    return std::string(reinterpret_cast<const char*>(c.data_ptr<std::uint8_t>()), static_cast<std::size_t>(c.numel()));
+  }
+
+  train::schedule_options schedule() const {
+    auto s = opts_.schedule;
+    if (s.total_steps == 0) s.total_steps = opts_.total_steps;
+    return s;
+  }
+
+  static void check_rewards(const torch::Tensor& r, std::int64_t n) {
+    UNIRL_CHECK(r.defined(), "reward returned an undefined tensor; expected (", n, ",) scores");
+    UNIRL_CHECK(r.dim() == 1 && r.size(0) == n, "reward returned a tensor of shape ", r.sizes(),
+                "; expected (", n, ",), one score per sample of the rollout");
+    UNIRL_CHECK(r.is_floating_point(), "reward returned dtype ", r.dtype(), "; expected a floating-point tensor");
+  }
+
+  static void fill_reward_stats(step_stats& s, const torch::Tensor& rewards) {
+    const auto r = rewards.to(torch::kCPU, torch::kFloat64);
+    if (r.numel() == 0) return;
+    s.reward_mean = r.mean().item<double>();
+    s.reward_std = r.numel() > 1 ? r.std().item<double>() : 0.0;
+    s.reward_min = r.min().item<double>();
+    s.reward_max = r.max().item<double>();
+  }
+
+  void update(const rollout_type& batch, const step_info& info, step_stats& s) {
+    models_.policy.train(true);
+    const std::int64_t n = batch.size();
+    const std::int64_t mb_count = std::min(opts_.minibatches, std::max<std::int64_t>(n, 1));
+    double loss = 0, policy = 0, value = 0, kl = 0, entropy = 0, ratio = 0, clip = 0, gnorm = 0;
+    std::map<std::string, double> extra;
+    std::int64_t taken = 0;
+    for (std::int64_t e = 0; e < opts_.epochs; ++e) {
+      const auto perm = mb_count > 1 || opts_.epochs > 1 ? torch::randperm(n, torch::kInt64)
+                                                          : torch::arange(n, torch::kInt64);
+      for (std::int64_t m = 0; m < mb_count; ++m) {
+        const std::int64_t lo = m * n / mb_count, hi = (m + 1) * n / mb_count;
+        if (hi <= lo) continue;
+        const auto mb = batch.select(perm.slice(0, lo, hi).to(device_));
+        optimizer_->zero_grad();
+        loss_terms terms = algorithm_.loss(models_, mb, info);
+        const double lv = terms.total.item<double>();
+        const bool finite = parallel_.all_agree(train::stability_guard::finite(lv));
+        const bool spike = finite && guard_.observe_loss(lv);
+        s.loss_spike = s.loss_spike || spike;
+        if (!finite || (spike && opts_.guard.skip_loss_spikes)) {
+          skip(s, finite ? "loss spike" : "non-finite loss");
+          continue;
+        }
+        terms.total.backward();
+        parallel_.all_reduce_gradients(params_);
+        if (!parallel_.all_agree(train::stability_guard::grads_finite(params_))) {
+          optimizer_->zero_grad();
+          skip(s, "non-finite gradient");
+          continue;
+        }
+        for (std::size_t g = 0; g < optimizer_->group_count(); ++g)
+          if (optimizer_->group_max_grad_norm(g) > 0)
+            train::clip_grad_norm(optimizer_->group_params(g), optimizer_->group_max_grad_norm(g));
+        const double norm = opts_.clip.max_grad_norm > 0 ? train::clip_grad_norm(params_, opts_.clip.max_grad_norm)
+                                                         : train::grad_norm(params_);
+        s.grad_spike = guard_.observe_grad_norm(norm) || s.grad_spike;
+        optimizer_->step();
+        if constexpr (requires(Algorithm& a) { a.after_optimizer_step(models_); })
+          algorithm_.after_optimizer_step(models_);
+        ++taken;
+        loss += lv;
+        policy += terms.policy;
+        value += terms.value;
+        kl += terms.kl;
+        entropy += terms.entropy;
+        ratio += terms.ratio_mean;
+        clip += terms.clip_fraction;
+        gnorm += norm;
+        for (const auto& [k, v] : terms.extra) extra[k] += v;
+      }
+    }
+    optimizer_->zero_grad();
+    s.optimizer_steps = taken;
+    if (taken > 0) {
+      const double d = static_cast<double>(taken);
+      s.loss = loss / d;
+      s.policy_loss = policy / d;
+      s.value_loss = value / d;
+      s.kl = kl / d;
+      s.entropy = entropy / d;
+      s.ratio_mean = ratio / d;
+      s.clip_fraction = clip / d;
+      s.grad_norm = gnorm / d;
+      for (const auto& [k, v] : extra) s.extra[k] = v / d;
+    }
+  }
+
+  void skip(step_stats& s, const char* why) {
+    ++s.skipped_updates;
+    guard_.count_skip();
+    std::cerr << "unirl: step " << step_ << ": " << why << "; optimizer step skipped, weights unchanged\n";
+  }
+
+  void report(const step_stats& s) {
+    if (parallel_.rank() != 0) return;
+    if (!opts_.metrics_path.empty() && !metrics_) metrics_.emplace(opts_.metrics_path, resumed_);
+    if (metrics_) metrics_->write(s.to_json());
+    if (!progress_) progress_.emplace(opts_.total_steps, opts_.progress);
+    progress_->update(s);
+  }
+
+  options opts_;
+  torch::Device device_;
+  Parallel parallel_;
+  model_set<Model> models_;
+  Reward reward_;
+  Algorithm algorithm_;
+  train::stability_guard guard_;
+  std::vector<torch::Tensor> params_;
+  std::unique_ptr<train::optimizer> optimizer_;
+  std::optional<train::metrics_writer> metrics_;
+  std::optional<train::progress_line> progress_;
+  std::int64_t step_ = 0;
+  bool resumed_ = false;
+};
+
+}  // namespace unirl
