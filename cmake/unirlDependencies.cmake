@@ -12,9 +12,14 @@ macro(unirl_find_dep)
   endif()
 endmacro()
 
-# LibTorch: config mode first (official LibTorch or PyTorch's copy), then cmake/FindTorch.cmake.
+# LibTorch: config mode first (official LibTorch, PyTorch's copy, or a distribution's package),
+# then cmake/FindTorch.cmake for installs that ship none. UNIRL_USE_FIND_TORCH=ON skips config
+# mode (the package tests use it to keep the fallback working).
+option(UNIRL_USE_FIND_TORCH "Find LibTorch with unirl's FindTorch.cmake instead of its CMake package" OFF)
 if(NOT TARGET torch)
-  find_package(Torch CONFIG QUIET)
+  if(NOT UNIRL_USE_FIND_TORCH)
+    find_package(Torch CONFIG QUIET)
+  endif()
   if(NOT Torch_FOUND)
     list(PREPEND CMAKE_MODULE_PATH "${CMAKE_CURRENT_LIST_DIR}")
     unirl_find_dep(Torch MODULE REQUIRED)

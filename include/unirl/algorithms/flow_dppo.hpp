@@ -87,16 +87,16 @@ class flow_dppo {
   loss_terms loss(model_set<M>& ms, const rollout::flow_rollout& mb, const step_info&) {
     UNIRL_CHECK(mb.advantages.defined(), "flow_dppo: the minibatch has no advantages (advantage() not run)");
     const auto steps = flow::trained_steps(mb, opts_.timestep_fraction);
-    auto adv = mb.advantages;
+    torch::Tensor adv = mb.advantages;
     if (opts_.adv_clip_max > 0.0) adv = adv.clamp(-opts_.adv_clip_max, opts_.adv_clip_max);
     const bool kl_on = opts_.beta > 0.0;
     UNIRL_CHECK(!kl_on || ms.reference.has_value(), "flow_dppo: beta = ", opts_.beta, " but no reference model");
     torch::Tensor total;
     double policy = 0, kl = 0, ratio_sum = 0, masked = 0, kl_old = 0;
     for (const auto k : steps) {
-      const auto r = rollout::replay_step(sampler_, ms.policy, mb, k);
-      const auto ratio = torch::exp(r.log_prob - mb.log_probs.select(1, k));
-      const auto a = adv.to(ratio.scalar_type());
+      const rollout::replayed_step r = rollout::replay_step(sampler_, ms.policy, mb, k);
+      const torch::Tensor ratio = torch::exp(r.log_prob - mb.log_probs.select(1, k));
+      const torch::Tensor a = adv.to(ratio.scalar_type());
       torch::Tensor keep, kl_k;
       {
         torch::NoGradGuard ng;
@@ -105,15 +105,15 @@ class flow_dppo {
         const auto pushed = ((ratio > 1.0) & (a > 0)) | ((ratio < 1.0) & (a < 0));
         keep = torch::logical_not((kl_k >= opts_.delta) & pushed).to(ratio.scalar_type());
       }
-      const auto pl = (-a * ratio * keep).mean();
-      auto term = pl;
+      const torch::Tensor pl = (-a * ratio * keep).mean();
+      torch::Tensor term = pl;
       if (kl_on) {
         torch::Tensor ref_mean;
         {
           torch::NoGradGuard ng;
           ref_mean = rollout::replay_step(sampler_, *ms.reference, mb, k).step.mean;
         }
-        const auto klr = rollout::gaussian_kl(r.step.mean, ref_mean, r.step.std, sampler_.reduction()).mean();
+        const torch::Tensor klr = rollout::gaussian_kl(r.step.mean, ref_mean, r.step.std, sampler_.reduction()).mean();
         term = term + opts_.beta * klr;
         kl += klr.item<double>();
       }

@@ -93,24 +93,24 @@ class flow_grpo {
   loss_terms loss(model_set<M>& ms, const rollout::flow_rollout& mb, const step_info&) {
     UNIRL_CHECK(mb.advantages.defined(), "flow_grpo: the minibatch has no advantages (advantage() not run)");
     const auto steps = flow::trained_steps(mb, opts_.timestep_fraction);
-    const auto adv = mb.advantages.clamp(-opts_.adv_clip_max, opts_.adv_clip_max);
+    const torch::Tensor adv = mb.advantages.clamp(-opts_.adv_clip_max, opts_.adv_clip_max);
     const bool kl_on = opts_.beta > 0.0;
     UNIRL_CHECK(!kl_on || ms.reference.has_value(), "flow_grpo: beta = ", opts_.beta, " but no reference model");
     torch::Tensor total;
     double policy = 0, kl = 0, ratio_sum = 0, clipped = 0;
     for (const auto k : steps) {
-      const auto r = rollout::replay_step(sampler_, ms.policy, mb, k);
-      const auto ratio = torch::exp(r.log_prob - mb.log_probs.select(1, k));
-      const auto a = adv.to(ratio.scalar_type());
-      const auto pl = torch::max(-a * ratio, -a * ratio.clamp(1.0 - opts_.clip_range, 1.0 + opts_.clip_range)).mean();
-      auto term = pl;
+      const rollout::replayed_step r = rollout::replay_step(sampler_, ms.policy, mb, k);
+      const torch::Tensor ratio = torch::exp(r.log_prob - mb.log_probs.select(1, k));
+      const torch::Tensor a = adv.to(ratio.scalar_type());
+      const torch::Tensor pl = torch::max(-a * ratio, -a * ratio.clamp(1.0 - opts_.clip_range, 1.0 + opts_.clip_range)).mean();
+      torch::Tensor term = pl;
       if (kl_on) {
         torch::Tensor ref_mean;
         {
           torch::NoGradGuard ng;
           ref_mean = rollout::replay_step(sampler_, *ms.reference, mb, k).step.mean;
         }
-        const auto klk = rollout::gaussian_kl(r.step.mean, ref_mean, r.step.std, sampler_.reduction()).mean();
+        const torch::Tensor klk = rollout::gaussian_kl(r.step.mean, ref_mean, r.step.std, sampler_.reduction()).mean();
         term = term + opts_.beta * klk;
         kl += klk.item<double>();
       }

@@ -41,8 +41,9 @@ class cartpole {
   static constexpr double theta_threshold = 12.0 * 2.0 * std::numbers::pi / 360.0;
   static constexpr double x_threshold = 2.4;
 
+  cartpole() : cartpole(500) {}
   /// `max_episode_steps`: the time limit (Gym's `TimeLimit`, 500 for v1); must be >= 1.
-  explicit cartpole(std::int64_t max_episode_steps = 500) : max_steps_(max_episode_steps) {
+  explicit cartpole(std::int64_t max_episode_steps) : max_steps_(max_episode_steps) {
     UNIRL_CHECK(max_episode_steps >= 1, "cartpole: max_episode_steps = ", max_episode_steps, ": expected >= 1");
   }
 

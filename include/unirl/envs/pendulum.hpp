@@ -39,8 +39,9 @@ class pendulum {
   static constexpr double m = 1.0;
   static constexpr double l = 1.0;
 
+  pendulum() : pendulum(200) {}
   /// `max_episode_steps`: the time limit (Gym's `TimeLimit`, 200 for v1); must be >= 1.
-  explicit pendulum(std::int64_t max_episode_steps = 200) : max_steps_(max_episode_steps) {
+  explicit pendulum(std::int64_t max_episode_steps) : max_steps_(max_episode_steps) {
     UNIRL_CHECK(max_episode_steps >= 1, "pendulum: max_episode_steps = ", max_episode_steps, ": expected >= 1");
   }
 

@@ -66,8 +66,9 @@ inline torch::Tensor ssim_map(const torch::Tensor& x, const torch::Tensor& y, co
   g = g / g.sum();
   const auto kh = g.view({1, 1, w, 1}).expand({C, 1, w, 1}).contiguous();
   const auto kw = g.view({1, 1, 1, w}).expand({C, 1, 1, w}).contiguous();
+  namespace F = torch::nn::functional;
   auto filt = [&](const torch::Tensor& t) {
-    return torch::conv2d(torch::conv2d(t, kh, {}, 1, 0, 1, C), kw, {}, 1, 0, 1, C);
+    return F::conv2d(F::conv2d(t, kh, F::Conv2dFuncOptions().groups(C)), kw, F::Conv2dFuncOptions().groups(C));
   };
   const double c1 = std::pow(o.k1 * o.data_range, 2), c2 = std::pow(o.k2 * o.data_range, 2);
   const auto mx = filt(a), my = filt(b);

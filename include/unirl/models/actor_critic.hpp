@@ -132,12 +132,12 @@ class actor_critic : public module_adapter<actor_critic<Dist>, actor_critic_net<
       : base(actor_critic_net<Dist>(obs_dim, action_dim, std::move(o))) {}
 
   /// V(obs): (B, D) -> (B,).
-  torch::Tensor value(const torch::Tensor& obs) const { return this->net_->critic->forward(input(obs)).squeeze(-1); }
+  torch::Tensor value(const torch::Tensor& obs) const { return critic_forward(input(obs)).squeeze(-1); }
 
   /// Samples actions for (B, D) observations, with their log-probabilities and values.
   env_action act(const torch::Tensor& obs) const {
     const auto x = input(obs);
-    const auto head = this->net_->actor->forward(x);
+    const auto head = actor_forward(x);
     env_action a;
     if constexpr (discrete) {
       const auto logp_all = torch::log_softmax(head, -1);
@@ -148,13 +148,13 @@ class actor_critic : public module_adapter<actor_critic<Dist>, actor_critic_net<
       a.action = head + log_std.exp() * torch::randn_like(head);
       a.logp = gaussian_logp(a.action, head, log_std);
     }
-    a.value = this->net_->critic->forward(x).squeeze(-1);
+    a.value = critic_forward(x).squeeze(-1);
     return a;
   }
 
   /// The most likely action (argmax / mean): for evaluating a trained policy.
   torch::Tensor greedy(const torch::Tensor& obs) const {
-    const auto head = this->net_->actor->forward(input(obs));
+    const auto head = actor_forward(input(obs));
     if constexpr (discrete) return head.argmax(-1);
     else return head;
   }
@@ -162,7 +162,7 @@ class actor_critic : public module_adapter<actor_critic<Dist>, actor_critic_net<
   /// log pi(actions | obs), entropy and value, differentiable: for the loss.
   env_evaluation evaluate(const torch::Tensor& obs, const torch::Tensor& actions) const {
     const auto x = input(obs);
-    const auto head = this->net_->actor->forward(x);
+    const auto head = actor_forward(x);
     env_evaluation e;
     if constexpr (discrete) {
       UNIRL_CHECK(!actions.is_floating_point() && actions.dim() == 1 && actions.size(0) == x.size(0),
@@ -178,7 +178,7 @@ class actor_critic : public module_adapter<actor_critic<Dist>, actor_critic_net<
       e.logp = gaussian_logp(actions.to(head.scalar_type()), head, log_std);
       e.entropy = (log_std + 0.5 * (1.0 + std::log(2.0 * std::numbers::pi))).sum(-1);
     }
-    e.value = this->net_->critic->forward(x).squeeze(-1);
+    e.value = critic_forward(x).squeeze(-1);
     return e;
   }
 
@@ -186,10 +186,20 @@ class actor_critic : public module_adapter<actor_critic<Dist>, actor_critic_net<
   std::int64_t action_dim() const { return this->net_->action_dim(); }
 
  private:
+  // Module holders share their module: a copy gives the non-const forward() a const adapter lacks.
+  torch::Tensor critic_forward(const torch::Tensor& x) const {
+    torch::nn::Sequential c = this->net_->critic;
+    return c->forward(x);
+  }
+  torch::Tensor actor_forward(const torch::Tensor& x) const {
+    torch::nn::Sequential a = this->net_->actor;
+    return a->forward(x);
+  }
   torch::Tensor input(const torch::Tensor& obs) const {
     UNIRL_CHECK(obs.dim() == 2 && obs.size(1) == obs_dim(), "actor_critic: observations of shape ", obs.sizes(),
                 ": expected (B, ", obs_dim(), ")");
-    return obs.to(this->device(), torch::kFloat);
+    const auto ps = this->net_->parameters();
+    return obs.to(ps.front().device(), ps.front().scalar_type());
   }
   static torch::Tensor gaussian_logp(const torch::Tensor& a, const torch::Tensor& mean, const torch::Tensor& log_std) {
     const double half_log_2pi = 0.5 * std::log(2.0 * std::numbers::pi);

@@ -54,6 +54,13 @@ struct weighted_options {
   }
 };
 
+}  // namespace unirl::rewards
+
+BOOST_HANA_ADAPT_STRUCT(unirl::rewards::weighted_options, weights, names, adaptive, adaptive_momentum,
+                        adaptive_min_std);
+
+namespace unirl::rewards {
+
 /// A weighted sum of scorers, each called on the same batch.
 ///
 /// Minimal requirement on each `Scorer`: `ScorerFor<Scorer, Batch>` for the batch it is called
@@ -176,6 +183,3 @@ class weighted {
 };
 
 }  // namespace unirl::rewards
-
-BOOST_HANA_ADAPT_STRUCT(unirl::rewards::weighted_options, weights, names, adaptive, adaptive_momentum,
-                        adaptive_min_std);

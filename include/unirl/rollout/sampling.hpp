@@ -19,7 +19,8 @@ namespace unirl {
 /// How completions are drawn: at most `max_new_tokens` tokens, stopping a sequence at any of
 /// `stop_tokens` (kept in the completion), from the logits divided by `temperature`, restricted
 /// to the `top_k` most likely tokens (0 = all) and the smallest set whose probability reaches
-/// `top_p` (1 = all). The sampler's log-probabilities are those of the distribution it drew from.
+/// `top_p` (1 = all). The recorded log-probabilities are those of the temperature-scaled
+/// distribution before top-k / top-p truncation: the distribution the loss evaluates.
 struct sampling_options {
   std::int64_t max_new_tokens = 16;
   double temperature = 1.0;

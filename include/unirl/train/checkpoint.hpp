@@ -88,35 +88,43 @@ inline std::string hex(std::uint64_t v) {
 // LibTorch errors carry a C++ backtrace; keep the message.
 inline std::string torch_message(const c10::Error& e) { return e.what_without_backtrace(); }
 
-// Writes `bytes` to `path` and flushes them to the disk.
-inline void write_file_synced(const std::string& path, const std::string& bytes) {
+// Writes `header` then `payload` to `path` and flushes them to the disk.
+inline void write_file_synced(const std::string& path, const std::string& header, const std::string& payload) {
 #if defined(UNIRL_CHECKPOINT_POSIX)
   const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
   if (fd < 0)
     throw checkpoint_error("checkpoint '" + path + "': cannot open for writing: " +
                            std::error_code(errno, std::generic_category()).message());
+  const std::size_t total = header.size() + payload.size();
   std::size_t done = 0;
-  while (done < bytes.size()) {
-    const auto n = ::write(fd, bytes.data() + done, bytes.size() - done);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      const auto msg = std::error_code(errno, std::generic_category()).message();
-      ::close(fd);
-      throw checkpoint_error("checkpoint '" + path + "': write failed after " + std::to_string(done) +
-                             " of " + std::to_string(bytes.size()) + " bytes: " + msg);
+  for (const std::string* part : {&header, &payload}) {
+    std::size_t off = 0;
+    while (off < part->size()) {
+      const auto n = ::write(fd, part->data() + off, part->size() - off);
+      if (n < 0) {
+        if (errno == EINTR) continue;
+        const auto msg = std::error_code(errno, std::generic_category()).message();
+        ::close(fd);
+        throw checkpoint_error("checkpoint '" + path + "': write failed after " + std::to_string(done) + " of " +
+                               std::to_string(total) + " bytes: " + msg);
+      }
+      off += static_cast<std::size_t>(n);
+      done += static_cast<std::size_t>(n);
     }
-    done += static_cast<std::size_t>(n);
   }
   if (::fsync(fd) != 0) {
     const auto msg = std::error_code(errno, std::generic_category()).message();
     ::close(fd);
     throw checkpoint_error("checkpoint '" + path + "': fsync failed: " + msg);
   }
-  ::close(fd);
+  if (::close(fd) != 0)
+    throw checkpoint_error("checkpoint '" + path + "': close failed: " +
+                           std::error_code(errno, std::generic_category()).message());
 #else
   std::ofstream out(path, std::ios::binary | std::ios::trunc);
   if (!out) throw checkpoint_error("checkpoint '" + path + "': cannot open for writing");
-  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  out.write(header.data(), static_cast<std::streamsize>(header.size()));
+  out.write(payload.data(), static_cast<std::streamsize>(payload.size()));
   out.flush();
   if (!out) throw checkpoint_error("checkpoint '" + path + "': write failed");
 #endif
@@ -147,23 +155,22 @@ inline void write_checkpoint(const std::string& path,
   {
     torch::serialize::OutputArchive archive;
     fill(archive);  // may throw: nothing on disk has been touched yet
-    std::ostringstream os(std::ios::binary);
     try {
-      archive.save_to(os);
+      archive.save_to([&payload](const void* data, std::size_t n) {
+        payload.append(static_cast<const char*>(data), n);
+        return n;
+      });
     } catch (const c10::Error& e) {
       throw checkpoint_error("checkpoint '" + path + "': cannot serialise the archive: " +
                              detail::torch_message(e));
     }
-    payload = std::move(os).str();
   }
-  std::string bytes;
-  bytes.reserve(checkpoint_header_size + payload.size());
-  bytes.append(checkpoint_magic.data(), checkpoint_magic.size());
-  detail::put_le(bytes, checkpoint_format_version, 4);
-  detail::put_le(bytes, 0, 4);
-  detail::put_le(bytes, payload.size(), 8);
-  detail::put_le(bytes, detail::fnv1a64(payload.data(), payload.size()), 8);
-  bytes += payload;
+  std::string header;
+  header.append(checkpoint_magic.data(), checkpoint_magic.size());
+  detail::put_le(header, checkpoint_format_version, 4);
+  detail::put_le(header, 0, 4);
+  detail::put_le(header, payload.size(), 8);
+  detail::put_le(header, detail::fnv1a64(payload.data(), payload.size()), 8);
 
   const std::filesystem::path target(path);
   std::error_code ec;
@@ -175,7 +182,7 @@ inline void write_checkpoint(const std::string& path,
   }
   const std::string tmp = path + ".tmp";
   try {
-    detail::write_file_synced(tmp, bytes);
+    detail::write_file_synced(tmp, header, payload);
   } catch (...) {
     std::filesystem::remove(tmp, ec);
     throw;
@@ -198,12 +205,14 @@ inline void read_checkpoint(const std::string& path,
   const auto fail = [&](const std::string& why) -> void {
     throw checkpoint_error("checkpoint '" + path + "': " + why);
   };
-  std::ifstream in(path, std::ios::binary);
+  std::ifstream in(path, std::ios::binary | std::ios::ate);
   if (!in) {
     std::error_code ec;
     fail(std::filesystem::exists(path, ec) ? "cannot open for reading" : "no such file");
   }
-  const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  std::string bytes(static_cast<std::size_t>(in.tellg()), '\0');
+  in.seekg(0);
+  if (!in.read(bytes.data(), static_cast<std::streamsize>(bytes.size()))) fail("read failed");
   if (bytes.size() < checkpoint_header_size)
     fail("truncated header: " + std::to_string(bytes.size()) + " of " +
          std::to_string(checkpoint_header_size) + " bytes");

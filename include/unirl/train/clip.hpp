@@ -31,21 +31,32 @@ struct clip_options {
 
 /// The L2 norm of all existing gradients of `params` taken together (parameters without a
 /// gradient are ignored; 0 when none has one). NaN or Inf when any gradient is non-finite.
-/// One host synchronisation, whatever the number of tensors.
+/// Gradients off the CPU are reduced with a single host synchronisation.
 inline double grad_norm(const std::vector<torch::Tensor>& params) {
-  std::vector<torch::Tensor> norms;
-  norms.reserve(params.size());
-  torch::Device device = torch::kCPU;
+  std::vector<torch::Tensor> grads;
+  grads.reserve(params.size());
+  bool all_cpu = true;
   for (const auto& p : params) {
-    if (!p.defined()) continue;
-    const auto& g = p.grad();
-    if (!g.defined()) continue;
-    if (norms.empty()) device = g.device();
-    // Per-tensor norms in the gradient's dtype (as PyTorch), accumulated in double.
-    norms.push_back(g.detach().norm().to(device, torch::kDouble));
+    if (!p.defined() || !p.grad().defined()) continue;
+    grads.push_back(p.grad().detach());
+    all_cpu = all_cpu && grads.back().is_cpu();
   }
-  if (norms.empty()) return 0.0;
-  return torch::stack(norms).pow(2).sum().sqrt().item<double>();
+  if (grads.empty()) return 0.0;
+  // Per-tensor norms in the gradient's dtype (as PyTorch), accumulated in double.
+  if (all_cpu) {  // reading a CPU scalar costs nothing: skip the stacking
+    double sq = 0.0;
+    for (const auto& g : grads) {
+      const double n = g.norm().item<double>();
+      sq += n * n;
+    }
+    return std::sqrt(sq);
+  }
+  // On an accelerator: one reduction and a single host synchronisation.
+  std::vector<torch::Tensor> norms;
+  norms.reserve(grads.size());
+  const auto device = grads.front().device();
+  for (const auto& g : grads) norms.push_back(g.norm().to(device, torch::kFloat));
+  return torch::stack(norms).to(torch::kDouble).pow(2).sum().sqrt().item<double>();
 }
 
 /// Scales the gradients of `params` in place by `max_norm / (norm + 1e-6)` when their global

@@ -171,9 +171,9 @@ inline void draw_panel(rgb_image& img, const std::vector<series>& s, const std::
   draw_text(img, f.x, f.y + f.h + 5, xmin, black);
   draw_text(img, f.x + f.w - text_width(xmax), f.y + f.h + 5, xmax, black);
 
-  // Legend, right-aligned in the title band.
+  // Legend, right-aligned in the title band (a single curve is named by the title).
   int lx = x0 + width - 14;
-  for (std::size_t i = s.size(); i-- > 0;) {
+  for (std::size_t i = s.size(); s.size() > 1 && i-- > 0;) {
     const auto& c = plot_palette[i % plot_palette.size()];
     lx -= text_width(s[i].name);
     draw_text(img, lx, y0 + 9, s[i].name, black);
@@ -242,6 +242,8 @@ inline void plot_series(const std::string& png_path, const std::vector<series>& 
   detail::rgb_image img(width, height);
 #if UNIRL_HAS_STB
   detail::draw_panel(img, s, title, 0, 0, width, height);
+#else
+  (void)title;
 #endif
   detail::write_png(png_path, img);
 }

@@ -1,0 +1,131 @@
+#pragma once
+/// \file diffusion_nft.hpp
+/// DiffusionNFT (arXiv 2509.16117, ALGORITHMS.md §4): online RL on the forward process. With
+/// `r = 0.5 + 0.5 clip(A / Z, -1, 1)` in [0, 1], an implicit positive and negative policy
+/// `v+ = (1-beta) v_old + beta v_theta`, `v- = (1+beta) v_old - beta v_theta`, and
+/// `L = r ||v+ - (eps - x0)||^2 + (1-r) ||v- - (eps - x0)||^2` (squared norms as means over
+/// elements, averaged over the batch) on `x_t = (1-t) x0 + t eps`, t ~ U(0, 1). v_old is the EMA
+/// policy that also draws the rollouts.
+///
+/// ```cpp
+/// unirl::trainer<model_t, unirl::algo::diffusion_nft<>, my_reward> t{model, reward,
+///     {.algorithm = {.beta = 1.0, .adv_clip_max = 5.0}, .group_size = 8}};
+/// ```
+#include <cstdint>
+#include <string>
+#include <type_traits>
+
+#include <boost/hana.hpp>
+#include <torch/torch.h>
+
+#include <unirl/algorithms/flow_common.hpp>
+#include <unirl/concepts/algorithm.hpp>
+#include <unirl/core/context.hpp>
+#include <unirl/core/options.hpp>
+#include <unirl/core/stats.hpp>
+#include <unirl/models/flow.hpp>
+#include <unirl/rollout/flow.hpp>
+#include <unirl/rollout/flow_samplers.hpp>
+
+namespace unirl::algo {
+
+/// Options of `diffusion_nft`.
+struct diffusion_nft_options {
+  double beta = 1.0;           // mixing of v_theta into the implicit positive / negative policies
+  double adv_clip_max = 5.0;   // Z: r = 0.5 + 0.5 clip(A / Z, -1, 1)
+  std::int64_t draws = 1;      // (t, eps) pairs per endpoint
+  double ema_decay = 0.9;      // EMA of the policy that draws rollouts and gives v_old
+  flow_advantage_options advantage{};
+  rollout::flow_sampler_options sampler{};
+
+  void validate(const std::string& p) const {
+    options::require(beta > 0.0, p + "beta", beta, "> 0");
+    options::require(adv_clip_max > 0.0, p + "adv_clip_max", adv_clip_max, "> 0");
+    options::require(draws >= 1, p + "draws", draws, ">= 1");
+    options::require(ema_decay >= 0.0 && ema_decay < 1.0, p + "ema_decay", ema_decay, "in [0, 1)");
+  }
+};
+
+}  // namespace unirl::algo
+
+BOOST_HANA_ADAPT_STRUCT(unirl::algo::diffusion_nft_options, beta, adv_clip_max, draws, ema_decay, advantage, sampler);
+
+namespace unirl::algo {
+
+/// The DiffusionNFT loss on given tensors (all (B, S...) but `r`, (B,)): exposed for tests.
+inline torch::Tensor nft_loss(const torch::Tensor& v_theta, const torch::Tensor& v_old, const torch::Tensor& target,
+                              const torch::Tensor& r, double beta) {
+  const auto vp = (1.0 - beta) * v_old + beta * v_theta;
+  const auto vn = (1.0 + beta) * v_old - beta * v_theta;
+  const auto lp = (vp - target).pow(2).flatten(1).mean(1);
+  const auto ln = (vn - target).pow(2).flatten(1).mean(1);
+  return (r * lp + (1.0 - r) * ln).mean();
+}
+
+/// DiffusionNFT for velocity models, rollouts drawn by `Sampler` from the EMA policy.
+template <class Sampler = rollout::ode::euler>
+class diffusion_nft {
+ public:
+  using options = diffusion_nft_options;
+  using sampler_type = Sampler;
+  static constexpr bool requires_reference = false;
+  static constexpr bool requires_critic = false;
+  static constexpr bool requires_ema_rollout = true;
+  static constexpr bool requires_group = true;
+  static constexpr bool supports_multi_update = true;
+  template <class Track>
+  static constexpr bool supports_track = std::is_same_v<Track, rollout::flow_track>;
+
+  explicit diffusion_nft(const options& o = {}) : opts_(o), sampler_(o.sampler) { unirl::options::validate(opts_); }
+
+  const options& settings() const { return opts_; }
+
+  template <class M>
+  rollout::flow_rollout sample(model_set<M>& ms, const torch::Tensor& conditions, const step_info& info) {
+    return flow::sample_groups(sampler_, ms.ema ? *ms.ema : ms.policy, conditions, info);
+  }
+
+  template <class M>
+  torch::Tensor advantage(model_set<M>&, rollout::flow_rollout& b, const torch::Tensor& rewards,
+                          const step_info& info) {
+    return flow::group_advantages(b, rewards, info, opts_.advantage);
+  }
+
+  template <class M>
+  loss_terms loss(model_set<M>& ms, const rollout::flow_rollout& mb, const step_info&) {
+    static_assert(models::VelocityModel<M>, "diffusion_nft: the model must predict velocities (flow_model, video_flow_model)");
+    UNIRL_CHECK(mb.advantages.defined(), "diffusion_nft: the minibatch has no advantages (advantage() not run)");
+    const auto d = opts_.draws;
+    const torch::Tensor x0 = mb.samples().repeat_interleave(d, 0);
+    const torch::Tensor cond = mb.conditions.repeat_interleave(d, 0);
+    const auto n = x0.size(0);
+    const torch::Tensor t = torch::rand({n}, x0.options());
+    const torch::Tensor eps = torch::randn_like(x0);
+    const torch::Tensor tb = flow::per_sample(t, x0);
+    const torch::Tensor xt = (1 - tb) * x0 + tb * eps;
+    const torch::Tensor r = 0.5 + 0.5 * (mb.advantages.repeat_interleave(d, 0).to(x0.scalar_type()) / opts_.adv_clip_max)
+                                     .clamp(-1.0, 1.0);
+    const torch::Tensor v = ms.policy.velocity(xt, t, cond);
+    torch::Tensor v_old;
+    {
+      torch::NoGradGuard ng;
+      v_old = (ms.ema ? *ms.ema : ms.policy).velocity(xt, t, cond);
+    }
+    loss_terms out;
+    out.total = nft_loss(v, v_old, eps - x0, r, opts_.beta);
+    out.policy = out.total.item<double>();
+    return out;
+  }
+
+  template <class M>
+  void after_optimizer_step(model_set<M>& ms) {
+    if (ms.ema) flow::ema_update(*ms.ema, ms.policy, opts_.ema_decay);
+  }
+
+ private:
+  options opts_;
+  Sampler sampler_;
+};
+static_assert(Algorithm<diffusion_nft<>>);
+
+}  // namespace unirl::algo

@@ -1,0 +1,161 @@
+#pragma once
+/// \file ram.hpp
+/// RAM — Reinforce Adjoint Matching (arXiv 2605.10759, ALGORITHMS.md §4). Endpoints x0 are drawn
+/// from the EMA policy, rewards become group advantages A, then a plain regression on freshly
+/// noised `x_t = (1-t) x0 + t eps` (`draws` pairs (t, eps) per endpoint, `p(t) ∝ t`):
+/// `target = v_ref(x_t, t) + m A ((eps - x0) - v_old(x_t, t))`, `L = mean (v_theta - sg(target))^2`,
+/// with v_old the EMA policy (decay `ema_decay`) and m the reward multiplier. No SDE log-probs,
+/// no reward gradients, no clipping. For a noise-prediction (DDPM) model the same regression runs
+/// on `target_eps = eps_ref + m A (eps - eps_old)` at `x_t = q_sample(x0, t, eps)`.
+///
+/// Exactness: for a Gaussian base N(mu, s^2) and a linear reward r = c x with advantages
+/// `A = r - mean` (`advantage.scale_by_std = false`) the fixed point is N(mu + m c s^2, s^2) —
+/// the KL-regularised optimum with lambda = 1/m (a test pins it).
+///
+/// `reward_weighted = true` is the simplified `mse(v, eps - x0) * (1 + alpha r)` regression of
+/// the seed tutorial — a baseline, not RAM.
+///
+/// ```cpp
+/// unirl::trainer<model_t, unirl::algo::ram<>, my_reward> t{model, reward,
+///     {.algorithm = {.multiplier = 1.0, .draws = 4}, .group_size = 8}};
+/// ```
+#include <cstdint>
+#include <string>
+#include <type_traits>
+
+#include <boost/hana.hpp>
+#include <torch/torch.h>
+
+#include <unirl/algorithms/flow_common.hpp>
+#include <unirl/concepts/algorithm.hpp>
+#include <unirl/core/context.hpp>
+#include <unirl/core/options.hpp>
+#include <unirl/core/stats.hpp>
+#include <unirl/models/flow.hpp>
+#include <unirl/rollout/flow.hpp>
+#include <unirl/rollout/flow_samplers.hpp>
+
+namespace unirl::algo {
+
+/// Options of `ram`.
+struct ram_options {
+  double multiplier = 1.0;        // m: reward multiplier (1 / lambda of the KL-regularised objective)
+  std::int64_t draws = 4;         // (t, eps) pairs per endpoint
+  double ema_decay = 0.9;         // EMA of the policy that draws rollouts and gives v_old
+  bool reward_weighted = false;   // true: the seed's mse * (1 + alpha r) baseline instead of RAM
+  double alpha = 1.0;             // weight of the reward in the reward_weighted baseline
+  flow_advantage_options advantage{};
+  rollout::flow_sampler_options sampler{};
+
+  void validate(const std::string& p) const {
+    options::require(multiplier >= 0.0, p + "multiplier", multiplier, ">= 0");
+    options::require(draws >= 1, p + "draws", draws, ">= 1");
+    options::require(ema_decay >= 0.0 && ema_decay < 1.0, p + "ema_decay", ema_decay, "in [0, 1)");
+  }
+};
+
+}  // namespace unirl::algo
+
+BOOST_HANA_ADAPT_STRUCT(unirl::algo::ram_options, multiplier, draws, ema_decay, reward_weighted, alpha, advantage,
+                        sampler);
+
+namespace unirl::algo {
+
+/// RAM with rollouts drawn by `Sampler` (deterministic ODE by default; `sde::ddim` with
+/// `ddim_eta = 0` for DDPM models).
+template <class Sampler = rollout::ode::euler>
+class ram {
+ public:
+  using options = ram_options;
+  using sampler_type = Sampler;
+  static constexpr bool requires_reference = true;
+  static constexpr bool requires_critic = false;
+  static constexpr bool requires_ema_rollout = true;
+  static constexpr bool requires_group = true;
+  static constexpr bool supports_multi_update = true;
+  template <class Track>
+  static constexpr bool supports_track = std::is_same_v<Track, rollout::flow_track>;
+
+  explicit ram(const options& o = {}) : opts_(o), sampler_(o.sampler) { unirl::options::validate(opts_); }
+
+  bool uses_reference() const { return !opts_.reward_weighted; }
+  const options& settings() const { return opts_; }
+
+  /// Endpoints from the EMA policy (the policy itself when no EMA copy exists).
+  template <class M>
+  rollout::flow_rollout sample(model_set<M>& ms, const torch::Tensor& conditions, const step_info& info) {
+    return flow::sample_groups(sampler_, ms.ema ? *ms.ema : ms.policy, conditions, info);
+  }
+
+  template <class M>
+  torch::Tensor advantage(model_set<M>&, rollout::flow_rollout& b, const torch::Tensor& rewards,
+                          const step_info& info) {
+    return flow::group_advantages(b, rewards, info, opts_.advantage);
+  }
+
+  template <class M>
+  loss_terms loss(model_set<M>& ms, const rollout::flow_rollout& mb, const step_info&) {
+    UNIRL_CHECK(mb.advantages.defined(), "ram: the minibatch has no advantages (advantage() not run)");
+    const auto d = opts_.draws;
+    const torch::Tensor x0 = mb.samples().repeat_interleave(d, 0);
+    const torch::Tensor cond = mb.conditions.repeat_interleave(d, 0);
+    const torch::Tensor adv = flow::per_sample(mb.advantages.repeat_interleave(d, 0).to(x0.scalar_type()), x0);
+    const auto n = x0.size(0);
+    // p(t) ∝ t on [0, 1]: t = sqrt(u).
+    const torch::Tensor t = torch::rand({n}, x0.options()).sqrt();
+    const torch::Tensor eps = torch::randn_like(x0);
+    torch::Tensor pred, target, plain;
+    if constexpr (models::NoiseModel<M>) {
+      const auto T = ms.policy.alphas_cumprod().size(0);
+      const torch::Tensor idx = (t * static_cast<double>(T)).floor().clamp(0, static_cast<double>(T - 1)).to(torch::kInt64);
+      const torch::Tensor xt = ms.policy.q_sample(x0, idx, eps);
+      const torch::Tensor tf = idx.to(x0.scalar_type());
+      pred = ms.policy.epsilon(xt, tf, cond);
+      torch::NoGradGuard ng;
+      plain = eps;
+      if (!opts_.reward_weighted) {
+        UNIRL_CHECK(ms.reference.has_value(), "ram: no reference model");
+        auto& old = ms.ema ? *ms.ema : ms.policy;
+        target = ms.reference->epsilon(xt, tf, cond) + opts_.multiplier * adv * (eps - old.epsilon(xt, tf, cond));
+      }
+    } else {
+      const torch::Tensor tb = flow::per_sample(t, x0);
+      const torch::Tensor xt = (1 - tb) * x0 + tb * eps;
+      pred = ms.policy.velocity(xt, t, cond);
+      torch::NoGradGuard ng;
+      plain = eps - x0;
+      if (!opts_.reward_weighted) {
+        UNIRL_CHECK(ms.reference.has_value(), "ram: no reference model");
+        auto& old = ms.ema ? *ms.ema : ms.policy;
+        target = ms.reference->velocity(xt, t, cond) + opts_.multiplier * adv * (plain - old.velocity(xt, t, cond));
+      }
+    }
+    loss_terms out;
+    if (opts_.reward_weighted) {
+      const torch::Tensor r = mb.rewards.defined() ? mb.rewards : mb.advantages;
+      const torch::Tensor w = 1.0 + opts_.alpha * r.repeat_interleave(d, 0).to(pred.scalar_type());
+      out.total = ((pred - plain).pow(2).flatten(1).mean(1) * w).mean();
+    } else {
+      out.total = (pred - target.detach()).pow(2).mean();
+    }
+    out.policy = out.total.item<double>();
+    {
+      torch::NoGradGuard ng;
+      out.extra["ram/fm_mse"] = (pred.detach() - plain).pow(2).mean().item<double>();
+    }
+    return out;
+  }
+
+  /// Moves the EMA policy (rollouts and v_old) towards the policy.
+  template <class M>
+  void after_optimizer_step(model_set<M>& ms) {
+    if (ms.ema) flow::ema_update(*ms.ema, ms.policy, opts_.ema_decay);
+  }
+
+ private:
+  options opts_;
+  Sampler sampler_;
+};
+static_assert(Algorithm<ram<>>);
+
+}  // namespace unirl::algo

@@ -1,0 +1,63 @@
+// A downstream project: it defines its own model (a linear actor-critic) and its own reward (the
+// environment's reward with a penalty for drifting off centre), composes a trainer type with
+// unirl's PPO, and trains a few iterations on unirl's CartPole.
+#include <unirl/trainer.hpp>
+#include <unirl/algorithms/ppo.hpp>
+#include <unirl/algorithms/ppo_env.hpp>
+#include <unirl/envs/cartpole.hpp>
+#include <unirl/envs/vector_env.hpp>
+
+#include <cmath>
+#include <iostream>
+
+struct linear_agentImpl : torch::nn::Cloneable<linear_agentImpl> {
+  linear_agentImpl() { reset(); }
+  void reset() override {
+    actor = register_module("actor", torch::nn::Linear(4, 2));
+    critic = register_module("critic", torch::nn::Linear(4, 1));
+  }
+  torch::nn::Linear actor{nullptr}, critic{nullptr};
+};
+TORCH_MODULE(linear_agent);
+
+struct my_model : unirl::models::module_adapter<my_model, linear_agent> {
+  using track = unirl::env_track;
+  using module_adapter::module_adapter;
+  // Module holders share their module: a copy of the holder calls the (non-const) forward.
+  torch::Tensor logits(const torch::Tensor& obs) const { return linear_agent(net())->actor->forward(obs); }
+  unirl::env_action act(const torch::Tensor& obs) const {
+    auto logp = torch::log_softmax(logits(obs), -1);
+    auto a = torch::multinomial(logp.exp(), 1).squeeze(1);
+    return {a, logp.gather(1, a.unsqueeze(1)).squeeze(1), value(obs)};
+  }
+  unirl::env_evaluation evaluate(const torch::Tensor& obs, const torch::Tensor& actions) const {
+    auto logp = torch::log_softmax(logits(obs), -1);
+    return {logp.gather(1, actions.unsqueeze(1)).squeeze(1), -(logp.exp() * logp).sum(-1), value(obs)};
+  }
+  torch::Tensor value(const torch::Tensor& obs) const { return linear_agent(net())->critic->forward(obs).squeeze(1); }
+};
+static_assert(unirl::ModelAdapter<my_model>);
+
+struct centred_reward {
+  torch::Tensor operator()(const unirl::env_rollout& b) const {
+    return b.rewards - 0.01f * b.obs.select(1, 0).abs();
+  }
+};
+static_assert(unirl::RewardFor<centred_reward, unirl::env_rollout>);
+
+using my_trainer = unirl::trainer<my_model, unirl::algo::ppo<>, centred_reward>;
+
+int main() {
+  torch::manual_seed(0);
+  unirl::envs::vector_env<unirl::envs::cartpole> env({}, {.num_envs = 2});
+  my_trainer t(my_model{linear_agent()}, {},
+               {.algorithm = {.rollout_steps = 32}, .optim = {.lr = 1e-2}, .epochs = 2, .minibatches = 2,
+                .progress = false});
+  for (int i = 0; i < 3; ++i) {
+    const auto s = t.step(env);
+    std::cout << "step " << s.step << " reward " << s.reward_mean << " loss " << s.loss << "\n";
+    if (!std::isfinite(s.loss) || s.samples != 64 || s.optimizer_steps != 4) return 1;
+  }
+  std::cout << "unirl " << unirl::version << ": consumer trained " << t.step_count() << " steps\n";
+  return 0;
+}

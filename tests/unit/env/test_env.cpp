@@ -1,0 +1,495 @@
+// Environment track: CartPole / Pendulum dynamics against Gym's formulas, the vectorised runner
+// (auto-reset, episode statistics, action clipping, normalisation), the actor-critic policies,
+// rollout collection, PPO's env-track stages, and a short CartPole training run.
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <numbers>
+#include <vector>
+
+#include <catch2/catch.hpp>
+#include <torch/torch.h>
+
+#include <unirl/algorithms/advantage.hpp>
+#include <unirl/algorithms/ppo_env.hpp>
+#include <unirl/concepts/environment.hpp>
+#include <unirl/envs/cartpole.hpp>
+#include <unirl/envs/pendulum.hpp>
+#include <unirl/envs/vector_env.hpp>
+#include <unirl/models/actor_critic.hpp>
+#include <unirl/rewards/environment.hpp>
+#include <unirl/rollout/env.hpp>
+#include <unirl/trainer.hpp>
+
+using Catch::Matchers::Contains;
+using unirl::envs::cartpole;
+using unirl::envs::pendulum;
+using unirl::envs::vector_env;
+
+namespace {
+
+// Gym's CartPole step, written out independently of the library (cartpole.py, euler).
+std::array<double, 4> gym_cartpole_step(std::array<double, 4> s, int action) {
+  const double g = 9.8, mc = 1.0, mp = 0.1, l = 0.5, tau = 0.02, total = mc + mp, pml = mp * l;
+  const double f = action == 1 ? 10.0 : -10.0;
+  const double c = std::cos(s[2]), si = std::sin(s[2]);
+  const double temp = (f + pml * s[3] * s[3] * si) / total;
+  const double thacc = (g * si - c * temp) / (l * (4.0 / 3.0 - mp * c * c / total));
+  const double xacc = temp - pml * thacc * c / total;
+  return {s[0] + tau * s[1], s[1] + tau * xacc, s[2] + tau * s[3], s[3] + tau * thacc};
+}
+
+// Gym's Pendulum step: (new state, reward).
+std::pair<std::array<double, 2>, double> gym_pendulum_step(std::array<double, 2> s, double u) {
+  u = std::clamp(u, -2.0, 2.0);
+  const double an = std::remainder(s[0], 2 * std::numbers::pi);
+  const double cost = an * an + 0.1 * s[1] * s[1] + 0.001 * u * u;
+  double thd = s[1] + (3 * 10.0 / 2.0 * std::sin(s[0]) + 3.0 * u) * 0.05;
+  thd = std::clamp(thd, -8.0, 8.0);
+  return {{s[0] + thd * 0.05, thd}, -cost};
+}
+
+}  // namespace
+
+TEST_CASE("cartpole follows Gym's dynamics on a known trajectory", "[cpu][env]") {
+  cartpole env;
+  const auto obs0 = env.reset_to({0.01, -0.02, 0.03, 0.04});
+  CHECK(obs0[0] == Approx(0.01f));
+  // Gym CartPole-v1 from (0.01, -0.02, 0.03, 0.04) with actions 1, 0, 1, 1, 0 (float64 trajectory).
+  const std::array<std::array<double, 4>, 5> expected{{
+      {0.009600000000000001, 0.17467919574755525, 0.030799999999999998, -0.24306871796000815},
+      {0.013093583914951107, -0.020868848948191993, 0.025938625640799833, 0.05916799993941654},
+      {0.012676206935987267, 0.1738717748734813, 0.027121985639588165, -0.22521957255967331},
+      {0.016153642433456895, 0.36859581150093934, 0.0226175941883947, -0.5092253183122191},
+      {0.023525558663475683, 0.17316263692575581, 0.012433087822150319, -0.2095015286811472},
+  }};
+  const int actions[] = {1, 0, 1, 1, 0};
+  for (int t = 0; t < 5; ++t) {
+    const auto r = env.step(actions[t]);
+    CHECK(r.reward == 1.0);
+    CHECK_FALSE(r.terminated);
+    CHECK_FALSE(r.truncated);
+    for (int i = 0; i < 4; ++i) {
+      CHECK(env.state()[i] == Approx(expected[t][i]).epsilon(1e-12).margin(1e-15));
+      CHECK(r.observation[i] == static_cast<float>(env.state()[i]));
+    }
+  }
+  // Longer: 200 steps of a fixed action pattern, against the formula above.
+  std::array<double, 4> s{0.0, 0.0, 0.001, 0.0};
+  env.reset_to(s);
+  for (int t = 0; t < 30; ++t) {
+    const int a = (t % 3 == 0) ? 1 : 0;
+    s = gym_cartpole_step(s, a);
+    const auto r = env.step(a);
+    for (int i = 0; i < 4; ++i) REQUIRE(env.state()[i] == Approx(s[i]).epsilon(1e-12).margin(1e-15));
+    if (r.terminated) break;
+  }
+}
+
+TEST_CASE("cartpole terminates past 12 degrees, pays the last step, then refuses to step", "[cpu][env]") {
+  cartpole env;
+  env.reset_to({0.0, 0.0, 0.0, 0.0});
+  // Pushing right from rest tips the pole left: theta = -0.21519 < -12 deg at the 9th step.
+  for (int t = 1; t <= 9; ++t) {
+    const auto r = env.step(1);
+    CHECK(r.reward == 1.0);
+    CHECK(r.terminated == (t == 9));
+    CHECK_FALSE(r.truncated);
+  }
+  CHECK(env.state()[2] == Approx(-0.21518604988500967).epsilon(1e-12));
+  CHECK(env.state()[2] < -cartpole::theta_threshold);
+  CHECK(cartpole::theta_threshold == Approx(0.20943951023931953));
+  CHECK_THROWS_WITH(env.step(0), Contains("reset()") && Contains("terminated after 9 steps"));
+  env.reset(3);
+  CHECK_NOTHROW(env.step(0));
+
+  // The cart leaving |x| <= 2.4 terminates too.
+  env.reset_to({2.39, 1.0, 0.0, 0.0});
+  CHECK(env.step(1).terminated);
+  env.reset_to({-2.39, -1.0, 0.0, 0.0});
+  CHECK(env.step(0).terminated);
+}
+
+TEST_CASE("cartpole truncates at its time limit and resets deterministically", "[cpu][env]") {
+  CHECK(cartpole{}.max_episode_steps() == 500);
+  cartpole env(5);
+  env.reset_to({0.0, 0.0, 0.0, 0.0});
+  for (int t = 1; t <= 5; ++t) {
+    const auto r = env.step(t % 2);  // alternate: stays upright
+    CHECK_FALSE(r.terminated);
+    CHECK(r.truncated == (t == 5));
+  }
+  CHECK_THROWS_WITH(env.step(0), Contains("truncated after 5 steps"));
+
+  cartpole a, b;
+  const auto oa = a.reset(42), ob = b.reset(42), oc = b.reset(43);
+  CHECK(oa == ob);
+  CHECK(oa != oc);
+  for (float v : oa) CHECK(std::abs(v) <= 0.05f);
+  CHECK_THROWS_WITH(cartpole(0), Contains("max_episode_steps = 0"));
+}
+
+TEST_CASE("cartpole rejects actions outside {0, 1} and stepping before reset", "[cpu][env]") {
+  cartpole env;
+  CHECK_THROWS_WITH(env.step(1), Contains("before reset"));
+  env.reset(0);
+  CHECK_THROWS_WITH(env.step(2), Contains("action = 2") && Contains("expected 0"));
+  CHECK_THROWS_WITH(env.step(-1), Contains("action = -1"));
+  CHECK_NOTHROW(env.step(1));
+}
+
+TEST_CASE("pendulum follows Gym's dynamics and reward", "[cpu][env]") {
+  pendulum env;
+  env.reset_to({1.0, 0.5});
+  auto r = env.step({1.0f});
+  // By hand: cost = 1 + 0.1 * 0.25 + 0.001 = 1.026; thdot' = 0.5 + (15 sin 1 + 3) 0.05; th' = 1 + 0.05 thdot'.
+  CHECK(r.reward == Approx(-1.026).epsilon(1e-12));
+  const double thd = 0.5 + (15.0 * std::sin(1.0) + 3.0) * 0.05;
+  CHECK(env.state()[1] == Approx(thd).epsilon(1e-12));
+  CHECK(env.state()[0] == Approx(1.0 + 0.05 * thd).epsilon(1e-12));
+  CHECK(r.observation[0] == Approx(std::cos(1.0 + 0.05 * thd)));
+  CHECK(r.observation[1] == Approx(std::sin(1.0 + 0.05 * thd)));
+  CHECK_FALSE(r.terminated);
+
+  // Angular speed is clipped to 8; the angle in the cost is wrapped into [-pi, pi).
+  env.reset_to({std::numbers::pi / 2, 7.9});
+  r = env.step({2.0f});
+  CHECK(env.state()[1] == 8.0);
+  env.reset_to({3 * std::numbers::pi / 2, 0.0});
+  r = env.step({0.0f});
+  CHECK(r.reward == Approx(-(std::numbers::pi / 2) * (std::numbers::pi / 2)).epsilon(1e-12));
+  CHECK(pendulum::angle_normalize(3 * std::numbers::pi / 2) == Approx(-std::numbers::pi / 2));
+  CHECK(pendulum::angle_normalize(-0.5) == Approx(-0.5));
+
+  // 60 steps of varying torque against the formula.
+  std::array<double, 2> s{-2.5, 0.3};
+  env.reset_to(s);
+  for (int t = 0; t < 60; ++t) {
+    const double u = 2.0 * std::sin(0.37 * t);
+    const auto [ns, rew] = gym_pendulum_step(s, static_cast<float>(u));
+    s = ns;
+    const auto rr = env.step({static_cast<float>(u)});
+    REQUIRE(rr.reward == Approx(rew).epsilon(1e-9));
+    REQUIRE(env.state()[0] == Approx(s[0]).epsilon(1e-12));
+    REQUIRE(env.state()[1] == Approx(s[1]).epsilon(1e-12));
+  }
+}
+
+TEST_CASE("pendulum truncates at 200 steps and rejects NaN or out-of-range torque", "[cpu][env]") {
+  pendulum env;
+  const auto o = env.reset(9);
+  CHECK(o[0] * o[0] + o[1] * o[1] == Approx(1.0f));
+  CHECK(std::abs(o[2]) <= 1.0f);
+  CHECK_THROWS_WITH(env.step({std::numeric_limits<float>::quiet_NaN()}), Contains("torque = nan"));
+  CHECK_THROWS_WITH(env.step({2.5f}), Contains("torque = 2.5") && Contains("[-2, 2]"));
+  CHECK_THROWS_WITH(env.step({-3.0f}), Contains("torque = -3"));
+  for (int t = 1; t <= 200; ++t) {
+    const auto r = env.step({0.0f});
+    CHECK_FALSE(r.terminated);
+    REQUIRE(r.truncated == (t == 200));
+  }
+  CHECK_THROWS_WITH(env.step({0.0f}), Contains("truncated after 200 steps"));
+}
+
+TEST_CASE("vector_env auto-resets, records episodes and checks action shapes", "[cpu][env]") {
+  vector_env<cartpole> venv(cartpole(3), {.num_envs = 2, .seed = 5});
+  CHECK(venv.observations().sizes() == torch::IntArrayRef({2, 4}));
+  CHECK(venv.dones().sum().item<float>() == 0.0f);
+  // Copy i starts from seed + i, like a fresh environment reset with that seed.
+  cartpole ref;
+  const auto o6 = ref.reset(6);
+  for (int i = 0; i < 4; ++i) CHECK(venv.observations()[1][i].item<float>() == o6[i]);
+  CHECK(std::isnan(venv.mean_recent_return(20)));
+
+  const auto push = torch::ones({2}, torch::kLong);
+  for (int t = 1; t <= 7; ++t) {
+    const auto out = venv.step(push);
+    CHECK(out.rewards.sizes() == torch::IntArrayRef({2}));
+    CHECK(out.rewards.sum().item<float>() == 2.0f);
+    const float expect_done = (t % 3 == 0) ? 1.0f : 0.0f;
+    CHECK(out.dones[0].item<float>() == expect_done);
+    CHECK(out.truncated[1].item<bool>() == (t % 3 == 0));
+    CHECK(venv.dones().equal(out.dones));
+    if (t % 3 == 0)  // already the first observation of the next episode
+      CHECK(out.observations.abs().max().item<float>() <= 0.05f);
+    else
+      CHECK(out.observations.select(1, 1).abs().max().item<float>() > 0.1f);  // x_dot after pushes
+  }
+  REQUIRE(venv.episodes().size() == 4);
+  for (const auto& e : venv.episodes()) {
+    CHECK(e.episode_return == 3.0);
+    CHECK(e.length == 3);
+  }
+  CHECK(venv.env_steps() == 14);
+  CHECK(venv.mean_recent_return(20) == 3.0);
+  CHECK(venv.mean_recent_length(1) == 3.0);
+
+  CHECK_THROWS_WITH(venv.step(torch::ones({3}, torch::kLong)), Contains("expected (2,) integers"));
+  CHECK_THROWS_WITH(venv.step(torch::ones({2})), Contains("expected (2,) integers"));
+  CHECK_THROWS_WITH(venv.step(torch::full({2}, 7, torch::kLong)), Contains("action = 7"));
+  CHECK_THROWS_AS((vector_env<cartpole>({}, {.num_envs = 0})), unirl::config_error);
+  CHECK_THROWS_WITH((vector_env<cartpole>({}, {.num_envs = 0})), Contains("num_envs") && Contains("value 0"));
+}
+
+TEST_CASE("vector_env clips box actions like ClipAction, but never a NaN", "[cpu][env]") {
+  vector_env<pendulum> clipped({}, {.num_envs = 1, .seed = 2});
+  pendulum ref;
+  auto s0 = ref.reset(2);
+  (void)s0;
+  const auto out = clipped.step(torch::full({1, 1}, 5.0f));
+  const auto r = ref.step({2.0f});  // 5 clipped to the bound 2
+  CHECK(out.rewards[0].item<float>() == Approx(static_cast<float>(r.reward)));
+  CHECK(out.observations[0][2].item<float>() == r.observation[2]);
+  CHECK_THROWS_WITH(clipped.step(torch::full({1, 1}, std::numeric_limits<float>::quiet_NaN())), Contains("nan"));
+  CHECK_THROWS_WITH(clipped.step(torch::zeros({1, 2})), Contains("expected (1, 1) floats"));
+
+  vector_env<pendulum> strict({}, {.num_envs = 1, .seed = 2, .clip_actions = false});
+  CHECK_THROWS_WITH(strict.step(torch::full({1, 1}, 5.0f)), Contains("torque = 5"));
+}
+
+TEST_CASE("running_mean_std matches the statistics of all data seen", "[cpu][env]") {
+  torch::manual_seed(0);
+  unirl::envs::running_mean_std rms(3);
+  const auto a = torch::randn({50, 3}, torch::kDouble) * 2 + 1, b = torch::randn({70, 3}, torch::kDouble) - 3;
+  rms.update(a);
+  rms.update(b);
+  const auto all = torch::cat({a, b});
+  // The prior (mean 0, var 1, count 1e-4) weighs 1e-4 / 120 of the result.
+  CHECK(torch::allclose(rms.mean, all.mean(0), 1e-4, 1e-4));
+  CHECK(torch::allclose(rms.var, all.var(0, /*unbiased=*/false), 1e-4, 1e-4));
+}
+
+TEST_CASE("vector_env normalises rewards by the running std of the discounted return", "[cpu][env]") {
+  vector_env<cartpole> venv({}, {.num_envs = 1, .seed = 1, .normalize_reward = true, .reward_gamma = 0.9,
+                                 .reward_clip = 1e9});
+  // Reference: Gym's NormalizeReward with RunningMeanStd over the discounted return.
+  double mean = 0, var = 1, count = 1e-4, ret = 0;
+  for (int t = 0; t < 40; ++t) {
+    const auto out = venv.step(torch::tensor({static_cast<std::int64_t>(t % 2)}));
+    ret = ret * 0.9 + 1.0;
+    const double delta = ret - mean, tot = count + 1;
+    mean += delta / tot;
+    var = (var * count + delta * delta * count / tot) / tot;
+    count = tot;
+    REQUIRE(out.rewards[0].item<float>() == Approx(1.0 / std::sqrt(var + 1e-8)).epsilon(1e-5));
+    if (out.dones[0].item<float>() != 0) ret = 0;
+  }
+  // With the default clip of 10 the first normalised reward (1 / sqrt(~2e-4) = 70) is clipped.
+  vector_env<cartpole> clipped({}, {.num_envs = 1, .normalize_reward = true});
+  CHECK(clipped.step(torch::tensor({std::int64_t{0}})).rewards[0].item<float>() == 10.0f);
+}
+
+TEST_CASE("vector_env normalises observations with running statistics", "[cpu][env]") {
+  vector_env<pendulum> venv({}, {.num_envs = 8, .seed = 3, .normalize_observation = true});
+  for (int t = 0; t < 300; ++t) venv.step(torch::zeros({8, 1}));
+  const auto& st = venv.observation_statistics();
+  const auto raw = (venv.observations().to(torch::kDouble) * torch::sqrt(st.var + 1e-8) + st.mean);
+  CHECK(venv.observations().abs().max().item<float>() <= 10.0f);
+  // Un-normalised, the first two components are cos / sin of an angle: on the unit circle.
+  const auto radius = raw.select(1, 0).square() + raw.select(1, 1).square();
+  CHECK(torch::allclose(radius, torch::ones_like(radius), 1e-4, 1e-4));
+}
+
+TEST_CASE("actor_critic uses CleanRL's orthogonal initialisation", "[cpu][env]") {
+  torch::manual_seed(0);
+  unirl::models::categorical_actor_critic pi(4, 2);
+  const auto& net = pi.net();
+  auto linear = [](torch::nn::Sequential s, std::size_t i) { return s[i]->as<torch::nn::Linear>(); };
+  const auto w0 = linear(net->actor, 0)->weight;  // (64, 4): orthonormal columns times sqrt(2)
+  CHECK(torch::allclose(w0.t().mm(w0), 2.0 * torch::eye(4), 1e-4, 1e-4));
+  const auto w1 = linear(net->actor, 2)->weight;  // (64, 64)
+  CHECK(torch::allclose(w1.mm(w1.t()), 2.0 * torch::eye(64), 1e-4, 1e-4));
+  const auto head = linear(net->actor, 4)->weight;  // (2, 64): rows of norm 0.01, orthogonal
+  CHECK(torch::allclose(head.mm(head.t()), 1e-4 * torch::eye(2), 1e-7, 1e-8));
+  const auto vhead = linear(net->critic, 4)->weight;  // (1, 64): norm 1
+  CHECK(vhead.norm().item<double>() == Approx(1.0).epsilon(1e-5));
+  for (const auto& [name, p] : pi.named_parameters())
+    if (name.ends_with("bias")) CHECK(p.abs().max().item<double>() == 0.0);
+  CHECK(pi.named_parameters().size() == 12);
+
+  unirl::models::gaussian_actor_critic mu(3, 1, {.init_log_std = -0.5});
+  CHECK(mu.net()->log_std.sizes() == torch::IntArrayRef({1, 1}));
+  CHECK(mu.net()->log_std.item<float>() == -0.5f);
+  CHECK(mu.named_parameters().size() == 13);
+  CHECK_THROWS_WITH(unirl::models::categorical_actor_critic(4, 1), Contains("action_dim = 1"));
+  CHECK_THROWS_AS(unirl::models::categorical_actor_critic(4, 2, {.hidden = {64, 0}}), unirl::config_error);
+  CHECK_THROWS_WITH(pi.act(torch::zeros({2, 3})), Contains("expected (B, 4)"));
+}
+
+TEST_CASE("categorical policy: log-probs, entropy and sampling frequencies", "[cpu][env]") {
+  torch::manual_seed(1);
+  unirl::models::categorical_actor_critic pi(4, 3, {.actor_gain = 1.0});
+  const auto obs = torch::randn({5, 4});
+  const auto actions = torch::tensor({0, 2, 1, 1, 0}, torch::kLong);
+  const auto e = pi.evaluate(obs, actions);
+  const auto logits = pi.net()->actor->forward(obs);
+  const auto p = torch::softmax(logits.to(torch::kDouble), -1);
+  for (int i = 0; i < 5; ++i) {
+    CHECK(e.logp[i].item<double>() == Approx(std::log(p[i][actions[i].item<std::int64_t>()].item<double>())).epsilon(1e-5));
+    double h = 0;
+    for (int k = 0; k < 3; ++k) h -= p[i][k].item<double>() * std::log(p[i][k].item<double>());
+    CHECK(e.entropy[i].item<double>() == Approx(h).epsilon(1e-5));
+  }
+  CHECK(torch::allclose(e.value, pi.value(obs)));
+  CHECK_THROWS_WITH(pi.evaluate(obs, torch::zeros({5})), Contains("integers"));
+
+  // The sampled actions follow the distribution, and act()'s log-prob is evaluate()'s.
+  const auto one = obs.slice(0, 0, 1).expand({20000, 4}).contiguous();
+  const auto a = pi.act(one);
+  CHECK(torch::allclose(a.logp, pi.evaluate(one, a.action).logp));
+  for (int k = 0; k < 3; ++k) {
+    const double freq = (a.action == k).to(torch::kDouble).mean().item<double>();
+    const double pk = p[0][k].item<double>();
+    CHECK(std::abs(freq - pk) < 4.5 * std::sqrt(pk * (1 - pk) / 20000) + 1e-9);
+  }
+  CHECK(pi.greedy(obs.slice(0, 0, 1)).item<std::int64_t>() == logits[0].argmax().item<std::int64_t>());
+}
+
+TEST_CASE("diagonal-Gaussian policy: log-prob, entropy, gradient and sampling", "[cpu][env]") {
+  torch::manual_seed(2);
+  unirl::models::gaussian_actor_critic pi(3, 2, {.init_log_std = 0.3, .actor_gain = 1.0});
+  const auto obs = torch::randn({4, 3});
+  const auto actions = torch::randn({4, 2});
+  const auto e = pi.evaluate(obs, actions);
+  const auto mean = pi.net()->actor->forward(obs).detach().to(torch::kDouble);
+  const double ls = 0.3, sd = std::exp(0.3);
+  for (int i = 0; i < 4; ++i) {
+    double lp = 0;
+    for (int k = 0; k < 2; ++k) {
+      const double z = (actions[i][k].item<double>() - mean[i][k].item<double>()) / sd;
+      lp += -0.5 * z * z - ls - 0.5 * std::log(2 * std::numbers::pi);
+    }
+    CHECK(e.logp[i].item<double>() == Approx(lp).epsilon(1e-5));
+    CHECK(e.entropy[i].item<double>() == Approx(2 * (0.5 + 0.5 * std::log(2 * std::numbers::pi) + ls)).epsilon(1e-6));
+  }
+  // d logp / d log_std against a central finite difference (float64 copy of the model).
+  auto pd = pi.clone();
+  pd.net()->to(torch::kDouble);
+  auto logp_sum = [&] { return pd.evaluate(obs.to(torch::kDouble), actions.to(torch::kDouble)).logp.sum(); };
+  pd.net()->log_std.mutable_grad() = torch::Tensor();
+  logp_sum().backward();
+  const auto g = pd.net()->log_std.grad().clone();
+  for (int k = 0; k < 2; ++k) {
+    torch::NoGradGuard ng;
+    const double h = 1e-6;
+    pd.net()->log_std[0][k] += h;
+    const double up = logp_sum().item<double>();
+    pd.net()->log_std[0][k] -= 2 * h;
+    const double down = logp_sum().item<double>();
+    pd.net()->log_std[0][k] += h;
+    CHECK(g[0][k].item<double>() == Approx((up - down) / (2 * h)).epsilon(1e-6));
+  }
+  // Samples: mean and std of N(mean, exp(0.3)^2), and act()'s log-prob is evaluate()'s.
+  const auto one = obs.slice(0, 0, 1).expand({20000, 3}).contiguous();
+  const auto a = pi.act(one);
+  CHECK(torch::allclose(a.logp, pi.evaluate(one, a.action).logp, 1e-5, 1e-5));
+  const auto m = a.action.mean(0).to(torch::kDouble), s = a.action.std(0).to(torch::kDouble);
+  for (int k = 0; k < 2; ++k) {
+    CHECK(std::abs(m[k].item<double>() - mean[0][k].item<double>()) < 4.5 * sd / std::sqrt(20000.0));
+    CHECK(s[k].item<double>() == Approx(sd).epsilon(0.03));
+  }
+  CHECK(torch::allclose(pi.greedy(obs), pi.net()->actor->forward(obs)));
+}
+
+TEST_CASE("collect lays out (T, N) rows with CleanRL's done convention", "[cpu][env]") {
+  torch::manual_seed(3);
+  unirl::models::categorical_actor_critic pi(4, 2);
+  vector_env<cartpole> venv(cartpole(3), {.num_envs = 2, .seed = 1});
+  std::map<std::string, double> extra;
+  const unirl::step_info info{0, 1, torch::kCPU, &extra};
+  const auto first_obs = venv.observations().clone();
+  const auto r = unirl::collect(pi, venv, 10, &info);
+  CHECK(r.size() == 20);
+  CHECK(r.num_steps == 10);
+  CHECK(r.num_envs == 2);
+  CHECK(r.obs.sizes() == torch::IntArrayRef({20, 4}));
+  CHECK(r.actions.scalar_type() == torch::kLong);
+  CHECK(torch::equal(r.obs.slice(0, 0, 2), first_obs));
+  // Episodes of 3 steps end at steps 2, 5, 8: observations 3, 6, 9 start new ones.
+  const auto d = r.dones.view({10, 2});
+  for (int t = 0; t < 10; ++t) CHECK(d[t].sum().item<float>() == ((t == 3 || t == 6 || t == 9) ? 2.0f : 0.0f));
+  CHECK(r.next_done.sum().item<float>() == 0.0f);
+  CHECK(torch::allclose(r.next_value, pi.value(venv.observations())));
+  CHECK(torch::allclose(r.values, pi.value(r.obs)));
+  CHECK(torch::allclose(r.logprobs, pi.evaluate(r.obs, r.actions).logp));
+  CHECK(r.rewards.sum().item<float>() == 20.0f);
+  CHECK(extra.at("episodes") == 6.0);
+  CHECK(extra.at("episode_return") == 3.0);
+  CHECK(extra.at("env_steps") == 20.0);
+
+  const auto mb = r.select(torch::tensor({5, 0}, torch::kLong));
+  CHECK(mb.size() == 2);
+  CHECK(torch::equal(mb.obs[1], r.obs[0]));
+  CHECK(mb.num_steps == 0);
+  CHECK_FALSE(mb.next_value.defined());
+  CHECK(torch::equal(unirl::rewards::environment_reward{}(r), r.rewards));
+}
+
+TEST_CASE("PPO on the env track: GAE over (T, N) and an on-policy ratio of exactly 1", "[cpu][env]") {
+  torch::manual_seed(4);
+  using policy_t = unirl::models::categorical_actor_critic;
+  unirl::model_set<policy_t> models{policy_t(4, 2)};
+  vector_env<cartpole> venv(cartpole(4), {.num_envs = 3, .seed = 2});
+  unirl::algo::ppo<> algo({.gamma = 0.9, .lambda = 0.8, .rollout_steps = 6});
+  std::map<std::string, double> extra;
+  const unirl::step_info info{0, 1, torch::kCPU, &extra};
+  auto batch = algo.sample(models, venv, info);
+  const auto rewards = unirl::rewards::environment_reward{}(batch);
+  const auto adv = algo.advantage(models, batch, rewards, info);
+
+  // GAE by hand (CleanRL's loop) over the (6, 3) layout.
+  const auto v = batch.values.view({6, 3}), dn = batch.dones.view({6, 3}), rw = rewards.view({6, 3});
+  for (int n = 0; n < 3; ++n) {
+    double last = 0;
+    for (int t = 5; t >= 0; --t) {
+      const double nv = t == 5 ? batch.next_value[n].item<double>() : v[t + 1][n].item<double>();
+      const double nd = t == 5 ? batch.next_done[n].item<double>() : dn[t + 1][n].item<double>();
+      const double delta = rw[t][n].item<double>() + 0.9 * nv * (1 - nd) - v[t][n].item<double>();
+      last = delta + 0.9 * 0.8 * (1 - nd) * last;
+      CHECK(adv[t * 3 + n].item<double>() == Approx(last).epsilon(1e-5).margin(1e-6));
+    }
+  }
+  CHECK(torch::allclose(batch.returns, batch.advantages + batch.values));
+
+  const auto mb = batch.select(torch::randperm(18, torch::kLong).slice(0, 0, 9));
+  const auto terms = algo.loss(models, mb, info);
+  CHECK(terms.ratio_mean == Approx(1.0).epsilon(1e-6));
+  CHECK(terms.clip_fraction == 0.0);
+  CHECK(terms.entropy > 0.0);
+  CHECK(terms.total.requires_grad());
+  // Policy part on-policy = -mean(normalised A) = 0; value part = 0.5 mean((V - R)^2) = 0.5 mean(A^2).
+  CHECK(terms.policy == Approx(0.0).margin(1e-6));
+  CHECK(terms.value == Approx(0.5 * mb.advantages.square().mean().item<double>()).epsilon(1e-4));
+  auto partial = batch.select(torch::arange(4, torch::kLong));
+  CHECK_THROWS_WITH(algo.advantage(models, partial, rewards.slice(0, 0, 4), info), Contains("(T, N) layout"));
+}
+
+TEST_CASE("PPO trains CartPole far above a random policy", "[cpu][env][slow]") {
+  using policy_t = unirl::models::categorical_actor_critic;
+  using trainer_t = unirl::trainer<policy_t, unirl::algo::ppo<>, unirl::rewards::environment_reward>;
+  torch::set_num_threads(1);
+  const std::int64_t iterations = 100;  // 51,200 environment steps
+  vector_env<cartpole> venv({}, {.num_envs = 4, .seed = 1});
+  trainer_t t{policy_t(4, 2),
+              {},
+              {.algorithm = {.ent_coef = 0.01, .rollout_steps = 128},
+               .optim = {.lr = 2.5e-4, .eps = 1e-5},
+               .schedule = {.kind = unirl::train::schedule_kind::linear},
+               .clip = {.max_grad_norm = 0.5},
+               .epochs = 4,
+               .minibatches = 4,
+               .seed = 1,
+               .progress = false,
+               .total_steps = iterations}};
+  double first_return = 0;
+  for (std::int64_t it = 0; it < iterations; ++it) {
+    const auto s = t.step(venv);
+    CHECK(s.samples == 512);
+    CHECK(s.optimizer_steps == 16);
+    if (it == 0) first_return = venv.mean_recent_return(20);
+  }
+  const double final_return = venv.mean_recent_return(20);
+  INFO("first iteration " << first_return << ", last 20 episodes " << final_return);
+  CHECK(first_return < 50.0);   // a random policy balances ~22 steps
+  CHECK(final_return > 100.0);  // learned
+}

@@ -1,0 +1,602 @@
+// Flow track: samplers with log-probabilities, the flow-track losses, RAM's analytic tilt,
+// DiffusionNFT, the model adapters and nets, and the Fréchet distance.
+#include <cmath>
+#include <numeric>
+#include <vector>
+
+#include <torch/torch.h>
+// After LibTorch: glog's CHECK must not shadow Catch's.
+#include <catch2/catch.hpp>
+
+#include <unirl/algorithms/diffusion_nft.hpp>
+#include <unirl/algorithms/flow_dppo.hpp>
+#include <unirl/algorithms/flow_grpo.hpp>
+#include <unirl/algorithms/ram.hpp>
+#include <unirl/eval/frechet.hpp>
+#include <unirl/models/flow.hpp>
+#include <unirl/models/flow_nets.hpp>
+#include <unirl/rollout/flow.hpp>
+#include <unirl/rollout/flow_samplers.hpp>
+#include <unirl/trainer.hpp>
+
+using namespace unirl;
+namespace sde = unirl::rollout::sde;
+namespace ode = unirl::rollout::ode;
+
+namespace {
+
+// ---- closed-form models -------------------------------------------------------------------
+
+// Data N(mu, s^2) per element, x_t = (1-t) x0 + t eps: the exact velocity
+// E[eps - x0 | x_t = x] = (t - (1-t) s^2) / var_t (x - (1-t) mu) - mu, var_t = (1-t)^2 s^2 + t^2.
+// mu and log s are parameters, so the same net serves as a learnable Gaussian policy.
+class gaussian_netImpl : public torch::nn::Cloneable<gaussian_netImpl> {
+ public:
+  gaussian_netImpl(std::int64_t dim, double mu, double s) : dim_(dim), mu0_(mu), s0_(s) { reset(); }
+  void reset() override {
+    mu = register_parameter("mu", torch::full({dim_}, mu0_));
+    log_s = register_parameter("log_s", torch::full({dim_}, std::log(s0_)));
+  }
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor&) {
+    const auto tb = t.reshape({-1, 1}).to(x.scalar_type());
+    const auto s2 = (2 * log_s).exp();
+    const auto var = (1 - tb).pow(2) * s2 + tb.pow(2);
+    return (tb - (1 - tb) * s2) / var * (x - (1 - tb) * mu) - mu;
+  }
+  torch::Tensor null_condition(const torch::Tensor& c) const { return c; }
+  torch::Tensor mu, log_s;
+
+ private:
+  std::int64_t dim_;
+  double mu0_, s0_;
+};
+TORCH_MODULE(gaussian_net);
+using gaussian_model = models::flow_model<gaussian_net>;
+
+// The DDPM counterpart: E[eps | x_t] = sqrt(1-ab) (x - sqrt(ab) mu) / (ab s^2 + 1 - ab), with t the
+// timestep index handed to the net as t / T.
+class gaussian_eps_netImpl : public torch::nn::Cloneable<gaussian_eps_netImpl> {
+ public:
+  gaussian_eps_netImpl(double mu, double s) : mu_(mu), s_(s) { reset(); }
+  void reset() override {
+    abar_ = models::ddpm_alphas_cumprod({}).to(torch::kFloat32);
+    dummy = register_parameter("dummy", torch::zeros({1}));
+  }
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor&) {
+    const auto idx = (t * 1000.0).round().to(torch::kInt64);
+    const auto ab = abar_.index_select(0, idx).reshape({-1, 1});
+    return (1 - ab).sqrt() * (x - ab.sqrt() * mu_) / (ab * s_ * s_ + 1 - ab) + 0 * dummy;
+  }
+  torch::Tensor null_condition(const torch::Tensor& c) const { return c; }
+  torch::Tensor dummy;
+
+ private:
+  double mu_, s_;
+  torch::Tensor abar_;
+};
+TORCH_MODULE(gaussian_eps_net);
+
+// v(x, t, c) = w x: a one-parameter policy whose step means are easy to work by hand.
+class scale_netImpl : public torch::nn::Cloneable<scale_netImpl> {
+ public:
+  explicit scale_netImpl(double w) : w0_(w) { reset(); }
+  void reset() override { w = register_parameter("w", torch::full({1}, w0_)); }
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor&, const torch::Tensor&) { return w * x; }
+  torch::Tensor null_condition(const torch::Tensor& c) const { return c; }
+  torch::Tensor w;
+
+ private:
+  double w0_;
+};
+TORCH_MODULE(scale_net);
+using scale_model = models::flow_model<scale_net>;
+
+static_assert(ModelAdapter<gaussian_model> && models::VelocityModel<gaussian_model>);
+static_assert(AlgorithmFor<algo::flow_grpo<>, gaussian_model>);
+static_assert(AlgorithmFor<algo::flow_dppo<sde::cps>, gaussian_model>);
+static_assert(AlgorithmFor<algo::ram<>, gaussian_model>);
+static_assert(AlgorithmFor<algo::diffusion_nft<>, gaussian_model>);
+static_assert(SamplesFrom<algo::flow_grpo<>, gaussian_model, torch::Tensor>);
+static_assert(rollout::SamplerFor<sde::ddim, models::ddpm_model<gaussian_eps_net>>);
+static_assert(!rollout::SamplerFor<sde::ddim, gaussian_model>);          // DDIM needs a noise model
+static_assert(!rollout::SamplerFor<sde::flow_grpo, models::ddpm_model<gaussian_eps_net>>);
+
+torch::Tensor labels(std::int64_t n) { return torch::arange(n, torch::kInt64) % 10; }
+
+models::flow_model<models::mlp_velocity_net> small_mlp_model() {
+  return {models::mlp_velocity_net(models::flow_net_options{.shape = {1, 4, 4}, .num_classes = 10, .hidden = 32,
+                                                             .depth = 2, .embed_dim = 16}),
+          {1, 4, 4}};
+}
+
+template <class S, class M>
+void check_replay_exact(const S& sampler, M& model, const torch::Tensor& cond) {
+  const auto b = rollout::sample_trajectory(sampler, model, cond);
+  REQUIRE(b.steps() == sampler.opts.steps);
+  torch::NoGradGuard ng;
+  int stochastic = 0;
+  for (std::int64_t k = 0; k < b.steps(); ++k) {
+    const auto r = rollout::replay_step(sampler, model, b, k);
+    CHECK(torch::equal(r.step.mean, b.means.select(1, k)));
+    CHECK(torch::equal(r.log_prob, b.log_probs.select(1, k)));
+    if (r.step.std > 0) ++stochastic;
+  }
+  CHECK(stochastic >= b.steps() - 1);
+}
+
+}  // namespace
+
+// ---- samplers ---------------------------------------------------------------------------------
+
+TEST_CASE("replaying a stored trajectory reproduces its log-probs exactly", "[flow][cpu]") {
+  torch::manual_seed(1);
+  auto model = small_mlp_model();
+  const auto cond = labels(6);
+  const rollout::flow_sampler_options o{.steps = 6};
+  SECTION("Flow-GRPO SDE") { check_replay_exact(sde::flow_grpo(o), model, cond); }
+  SECTION("CPS") { check_replay_exact(sde::cps(o), model, cond); }
+  SECTION("DanceGRPO") { check_replay_exact(sde::dance(o), model, cond); }
+  SECTION("sum reduction") {
+    auto s = o;
+    s.reduction = rollout::logprob_reduction::sum;
+    check_replay_exact(sde::flow_grpo(s), model, cond);
+  }
+  SECTION("DDIM on a DDPM model") {
+    models::ddpm_model<models::conv_velocity_net> ddpm(
+        models::conv_velocity_net(models::flow_net_options{.channels = 1, .num_classes = 10, .hidden = 8, .depth = 1,
+                                                           .embed_dim = 8}),
+        {1, 4, 4});
+    check_replay_exact(sde::ddim(o), ddpm, cond);
+  }
+  SECTION("a minibatch selected from the batch replays its own rows") {
+    sde::flow_grpo s(o);
+    const auto b = rollout::sample_trajectory(s, model, cond);
+    const auto mb = b.select(torch::tensor({4, 1}, torch::kInt64));
+    CHECK(torch::equal(mb.trajectory.select(0, 0), b.trajectory.select(0, 4)));
+    CHECK(torch::equal(mb.log_probs.select(0, 1), b.log_probs.select(0, 1)));
+    CHECK(mb.conditions[0].item<std::int64_t>() == 4);
+  }
+}
+
+TEST_CASE("sampler coefficients follow ALGORITHMS.md section 3", "[flow][cpu]") {
+  // Flow-GRPO at t = 0.5 -> 0.25, a = 0.7: sigma = 0.7, k = sigma^2 / (2t) = 0.49, dt = -0.25.
+  const auto f = rollout::math::flow_grpo(0.5, 0.25, 0.7);
+  CHECK(f.cx == Approx(1.0 - 0.49 * 0.25));
+  CHECK(f.cm == Approx(-0.25 * (1.0 + 0.49 * 0.5)));
+  CHECK(f.std == Approx(0.7 * 0.5));
+  // At t = 1 the (1 - t) of sigma becomes 1 - t_next.
+  const auto f1 = rollout::math::flow_grpo(1.0, 0.75, 0.7);
+  CHECK(f1.std == Approx(0.7 * std::sqrt(1.0 / 0.25) * 0.5));
+  // CPS: std = t_next sin(a pi / 2); mean coefficients from x0_hat = x - t v, x1_hat = x + (1-t) v.
+  const auto c = rollout::math::cps(0.6, 0.4, 0.5);
+  const double sd = 0.4 * std::sin(0.25 * M_PI), r = std::sqrt(0.16 - sd * sd);
+  CHECK(c.std == Approx(sd));
+  CHECK(c.cx == Approx(0.6 + r));
+  CHECK(c.cm == Approx(-0.6 * 0.6 + r * 0.4));
+  CHECK(rollout::math::cps(0.2, 0.0, 0.7).std == 0.0);  // last CPS step: deterministic
+  // DanceGRPO: std = eta sqrt(t - t_next).
+  CHECK(rollout::math::dance(0.5, 0.3, 0.3).std == Approx(0.3 * std::sqrt(0.2)));
+  // DDIM: eta = 0 is deterministic; the last step (abar' = 1) returns x0_hat exactly.
+  CHECK(rollout::math::ddim(0.5, 0.7, 0.0).std == 0.0);
+  const auto last = rollout::math::ddim(0.9, 1.0, 1.0);
+  CHECK(last.std == 0.0);
+  CHECK(last.cx == Approx(1.0 / std::sqrt(0.9)));
+  CHECK(last.cm == Approx(-std::sqrt(0.1) / std::sqrt(0.9)));
+}
+
+TEST_CASE("Gaussian KL formula equals a Monte Carlo estimate", "[flow][cpu]") {
+  torch::manual_seed(2);
+  const std::int64_t d = 8, n = 200000;
+  const double s = 0.3;
+  const auto mu_a = torch::randn({1, d}) * 0.2, mu_b = torch::randn({1, d}) * 0.2;
+  const auto x = mu_a + s * torch::randn({n, d});
+  using rollout::logprob_reduction;
+  const auto lpa = rollout::gaussian_log_prob(x, mu_a.expand({n, d}), s, logprob_reduction::sum);
+  const auto lpb = rollout::gaussian_log_prob(x, mu_b.expand({n, d}), s, logprob_reduction::sum);
+  const double mc = (lpa - lpb).to(torch::kFloat64).mean().item<double>();
+  const double exact = rollout::gaussian_kl(mu_a, mu_b, s, logprob_reduction::sum).item<double>();
+  const double se = (lpa - lpb).to(torch::kFloat64).std().item<double>() / std::sqrt(static_cast<double>(n));
+  CHECK(std::abs(mc - exact) < 4 * se + 1e-4);
+  CHECK(exact == Approx((mu_a - mu_b).pow(2).sum().item<double>() / (2 * s * s)).epsilon(1e-5));
+  // The mean reduction is the sum over the d elements divided by d.
+  CHECK(rollout::gaussian_kl(mu_a, mu_b, s).item<double>() == Approx(exact / d).epsilon(1e-5));
+  // And the log-prob is the Gaussian density (element-wise check).
+  const auto one = rollout::gaussian_log_prob(torch::tensor({{0.5f}}), torch::tensor({{0.1f}}), 0.2,
+                                              logprob_reduction::sum);
+  CHECK(one.item<double>() == Approx(-0.16 / 0.08 - std::log(0.2) - 0.5 * std::log(2 * M_PI)).epsilon(1e-5));
+}
+
+TEST_CASE("with Gaussian data the SDE samplers match the ODE's mean and variance", "[flow][cpu]") {
+  torch::manual_seed(3);
+  const double mu = 0.8, s = 0.5;
+  const std::int64_t n = 20000;
+  gaussian_model model(gaussian_net(1, mu, s), {1});
+  const auto cond = torch::zeros({n}, torch::kInt64);
+  auto moments = [&](const auto& sampler) {
+    const torch::Tensor x = rollout::sample_trajectory(sampler, model, cond).samples().to(torch::kFloat64);
+    return std::pair{x.mean().item<double>(), x.var().item<double>()};
+  };
+  const rollout::flow_sampler_options o{.steps = 40};
+  const auto [m_ode, v_ode] = moments(ode::euler(o));
+  // The ODE with the exact velocity transports N(0, 1) to N(mu, s^2) up to its step error.
+  CHECK(m_ode == Approx(mu).margin(0.02));
+  CHECK(v_ode == Approx(s * s).margin(0.02));
+  // Monte Carlo tolerance on 20000 samples: se(mean) = s / sqrt(n) = 0.0035, se(var) ~ 0.0025.
+  const double tol_m = 0.03, tol_v = 0.03;
+  SECTION("Flow-GRPO SDE") {
+    const auto [m, v] = moments(sde::flow_grpo(o));
+    CHECK(m == Approx(m_ode).margin(tol_m));
+    CHECK(v == Approx(v_ode).margin(tol_v));
+  }
+  SECTION("CPS") {
+    const auto [m, v] = moments(sde::cps(o));
+    CHECK(m == Approx(m_ode).margin(tol_m));
+    CHECK(v == Approx(v_ode).margin(tol_v));
+  }
+  SECTION("DanceGRPO") {
+    const auto [m, v] = moments(sde::dance(o));
+    CHECK(m == Approx(m_ode).margin(tol_m));
+    CHECK(v == Approx(v_ode).margin(tol_v));
+  }
+  SECTION("DDIM with eta = 1 and eta = 0 on the DDPM counterpart") {
+    models::ddpm_model<gaussian_eps_net> ddpm(gaussian_eps_net(mu, s), {1});
+    auto run = [&](double eta) {
+      const auto x = rollout::sample_trajectory(sde::ddim({.steps = 50, .ddim_eta = eta}), ddpm, cond)
+                         .samples()
+                         .to(torch::kFloat64);
+      return std::pair{x.mean().item<double>(), x.var().item<double>()};
+    };
+    const auto [m1, v1] = run(1.0);
+    const auto [m0, v0] = run(0.0);
+    CHECK(m1 == Approx(mu).margin(tol_m));
+    CHECK(v1 == Approx(s * s).margin(tol_v));
+    CHECK(m0 == Approx(m1).margin(tol_m));
+    CHECK(v0 == Approx(v1).margin(tol_v));
+  }
+}
+
+// ---- losses -----------------------------------------------------------------------------------
+
+namespace {
+// A hand-made rollout of two 1-element samples and 2 steps on the grid 1 -> 0.5 -> 0, drawn by
+// the scale policy with w_old = 0.5 from x = 1: step 0 (t = 1 -> 0.5, a = 0.7) has
+// sigma = 0.7 sqrt(1 / 0.5), k = sigma^2 / 2 = 0.49, mean = (1 - 0.245) x - 0.5 w x, std = 0.7.
+constexpr double kx = 1.0, w_old = 0.5, step_std = 0.7;
+double hand_mean(double w) { return 0.755 * kx - 0.5 * w * kx; }
+double hand_logp(double x_next, double w) {
+  const double d = x_next - hand_mean(w);
+  return -d * d / (2 * step_std * step_std) - std::log(step_std) - 0.5 * std::log(2 * M_PI);
+}
+
+rollout::flow_rollout hand_rollout(const std::vector<double>& x_next, const std::vector<float>& adv) {
+  const std::int64_t b = static_cast<std::int64_t>(x_next.size());
+  rollout::flow_rollout r;
+  r.conditions = torch::zeros({b}, torch::kInt64);
+  r.trajectory = torch::zeros({b, 3, 1});
+  r.means = torch::zeros({b, 2, 1});
+  r.log_probs = torch::zeros({b, 2});
+  for (std::int64_t i = 0; i < b; ++i) {
+    const double xn = x_next[static_cast<std::size_t>(i)];
+    r.trajectory[i][0][0] = kx;
+    r.trajectory[i][1][0] = xn;
+    r.trajectory[i][2][0] = 0.2;
+    r.means[i][0][0] = hand_mean(w_old);
+    r.log_probs[i][0] = hand_logp(xn, w_old);
+    r.log_probs[i][1] = 0.0;
+  }
+  r.stds = torch::tensor({step_std, 0.3}, torch::kFloat64).expand({b, 2}).contiguous();
+  r.timesteps = torch::tensor({1.0, 0.5, 0.0}, torch::kFloat64).expand({b, 3}).contiguous();
+  r.advantages = torch::tensor(adv);
+  return r;
+}
+
+model_set<scale_model> scale_models(double w_policy, double w_ref) {
+  model_set<scale_model> ms{scale_model(scale_net(w_policy), {1})};
+  ms.reference.emplace(scale_model(scale_net(w_ref), {1}));
+  return ms;
+}
+}  // namespace
+
+TEST_CASE("Flow-GRPO loss equals its formula on a hand-made rollout", "[flow][cpu]") {
+  const std::vector<double> xn{0.6, 0.3};
+  const auto batch = hand_rollout(xn, {1.0f, -1.0f});
+  const double w_new = 0.6, eps = 0.01, beta = 0.5;
+  auto ms = scale_models(w_new, w_old);
+  algo::flow_grpo<> a({.clip_range = eps, .beta = beta, .timestep_fraction = 0.5});
+  // The step's mean from the sampler matches the hand-worked one.
+  const auto st = rollout::denoise_step(sde::flow_grpo{}, ms.policy, torch::full({1, 1}, kx), 1.0, 0.5,
+                                        torch::zeros({1}, torch::kInt64));
+  CHECK(st.mean.item<double>() == Approx(hand_mean(w_new)).epsilon(1e-6));
+  CHECK(st.std == Approx(step_std));
+
+  const auto terms = a.loss(ms, batch, {});
+  double expected_policy = 0;
+  const double advs[2] = {1.0, -1.0};
+  for (int i = 0; i < 2; ++i) {
+    const double rho = std::exp(hand_logp(xn[static_cast<std::size_t>(i)], w_new) -
+                                hand_logp(xn[static_cast<std::size_t>(i)], w_old));
+    const double clipped = std::min(std::max(rho, 1 - eps), 1 + eps);
+    expected_policy += std::max(-advs[i] * rho, -advs[i] * clipped) / 2;
+  }
+  const double dm = hand_mean(w_new) - hand_mean(w_old);
+  const double expected_kl = dm * dm / (2 * step_std * step_std);
+  CHECK(terms.policy == Approx(expected_policy).epsilon(1e-5));
+  CHECK(terms.kl == Approx(expected_kl).epsilon(1e-5));
+  CHECK(terms.total.item<double>() == Approx(expected_policy + beta * expected_kl).epsilon(1e-5));
+  // By hand: sample 0 has rho = 0.98783 (A = +1: -rho beats -0.99), sample 1 rho = 1.01854
+  // (A = -1: rho beats the clipped 1.01); both lie outside 1 +- 0.01.
+  CHECK(expected_policy == Approx((-0.9878298 + 1.0185371) / 2).epsilon(1e-6));
+  CHECK(terms.clip_fraction == Approx(1.0));
+
+  // The gradient with respect to w matches a central finite difference of the hand formula.
+  auto hand_total = [&](double w) {
+    double p = 0;
+    for (int i = 0; i < 2; ++i) {
+      const double rho = std::exp(hand_logp(xn[static_cast<std::size_t>(i)], w) -
+                                  hand_logp(xn[static_cast<std::size_t>(i)], w_old));
+      p += std::max(-advs[i] * rho, -advs[i] * std::min(std::max(rho, 1 - eps), 1 + eps)) / 2;
+    }
+    const double d = hand_mean(w) - hand_mean(w_old);
+    return p + beta * d * d / (2 * step_std * step_std);
+  };
+  terms.total.backward();
+  const double h = 1e-5, fd = (hand_total(w_new + h) - hand_total(w_new - h)) / (2 * h);
+  CHECK(ms.policy.net()->w.grad().item<double>() == Approx(fd).epsilon(1e-3));
+}
+
+TEST_CASE("Flow-DPPO loss and trust-region mask equal their formulas", "[flow][cpu]") {
+  // Sample 0: A > 0 and rho > 1 with KL above delta -> masked; sample 1: A < 0, rho > 1 -> kept.
+  const std::vector<double> xn{0.1, 0.05};
+  const auto batch = hand_rollout(xn, {1.0f, -2.0f});
+  const double w_new = 0.7;
+  auto ms = scale_models(w_new, w_old);
+  const double dm = hand_mean(w_new) - hand_mean(w_old);
+  const double kl = dm * dm / (2 * step_std * step_std);
+  algo::flow_dppo<> a({.delta = kl / 2, .timestep_fraction = 0.5});
+  const auto terms = a.loss(ms, batch, {});
+  const double rho0 = std::exp(hand_logp(xn[0], w_new) - hand_logp(xn[0], w_old));
+  const double rho1 = std::exp(hand_logp(xn[1], w_new) - hand_logp(xn[1], w_old));
+  REQUIRE(rho0 > 1.0);
+  REQUIRE(rho1 > 1.0);
+  CHECK(terms.policy == Approx((0.0 + 2.0 * rho1) / 2).epsilon(1e-5));
+  CHECK(terms.clip_fraction == Approx(0.5));
+  CHECK(terms.extra.at("flow/kl_to_old") == Approx(kl).epsilon(1e-4));
+  // With a trust region wider than the step's KL nothing is masked: -A rho averaged.
+  algo::flow_dppo<> wide({.delta = kl * 2, .timestep_fraction = 0.5});
+  const auto t2 = wide.loss(ms, batch, {});
+  CHECK(t2.policy == Approx((-1.0 * rho0 + 2.0 * rho1) / 2).epsilon(1e-5));
+  CHECK(t2.clip_fraction == 0.0);
+}
+
+TEST_CASE("on-policy first step: ratio exactly 1 and KL exactly 0", "[flow][cpu]") {
+  torch::manual_seed(4);
+  model_set<models::flow_model<models::mlp_velocity_net>> ms{small_mlp_model()};
+  ms.reference.emplace(ms.policy.clone());
+  const step_info info{0, 4};
+  const auto rewards = torch::randn({8});
+  SECTION("Flow-GRPO") {
+    algo::flow_grpo<> a({.beta = 0.04, .sampler = {.steps = 5}});
+    auto b = a.sample(ms, labels(2), info);
+    a.advantage(ms, b, rewards, info);
+    const auto t = a.loss(ms, b, info);
+    CHECK(t.ratio_mean == 1.0);
+    CHECK(t.kl == 0.0);
+    CHECK(t.clip_fraction == 0.0);
+  }
+  SECTION("Flow-DPPO (CPS sampler)") {
+    algo::flow_dppo<sde::cps> a({.beta = 0.1, .sampler = {.steps = 5}});
+    auto b = a.sample(ms, labels(2), info);
+    a.advantage(ms, b, rewards, info);
+    const auto t = a.loss(ms, b, info);
+    CHECK(t.ratio_mean == 1.0);
+    CHECK(t.kl == 0.0);
+    CHECK(t.extra.at("flow/kl_to_old") == 0.0);
+    CHECK(t.clip_fraction == 0.0);
+  }
+}
+
+TEST_CASE("group advantages are per condition", "[flow][cpu]") {
+  model_set<gaussian_model> ms{gaussian_model(gaussian_net(1, 0.0, 1.0), {1})};
+  algo::flow_grpo<> a({.beta = 0.0, .sampler = {.steps = 2}});
+  const step_info info{0, 2};
+  auto b = a.sample(ms, torch::tensor({3, 7}, torch::kInt64), info);
+  REQUIRE(b.size() == 4);
+  CHECK(torch::equal(b.conditions, torch::tensor({3, 3, 7, 7}, torch::kInt64)));
+  const auto adv = a.advantage(ms, b, torch::tensor({1.0f, 0.0f, 5.0f, 5.0f}), info);
+  CHECK(adv[0].item<double>() == Approx(1 / (std::sqrt(0.5) + 1e-6)));
+  CHECK(adv[1].item<double>() == Approx(-1 / (std::sqrt(0.5) + 1e-6)));
+  CHECK(adv[2].item<double>() == 0.0);  // a group with equal rewards gets exactly 0
+  CHECK(torch::equal(b.advantages, adv));
+}
+
+TEST_CASE("DiffusionNFT loss equals its formula", "[flow][cpu]") {
+  // Two samples of two elements, beta = 0.5.
+  const auto v = torch::tensor({{1.0f, 2.0f}, {0.0f, -1.0f}});
+  const auto v_old = torch::tensor({{0.0f, 1.0f}, {0.5f, 0.5f}});
+  const auto target = torch::tensor({{1.0f, 1.0f}, {0.0f, 0.0f}});
+  const auto r = torch::tensor({0.75f, 0.25f});
+  const double b = 0.5;
+  double expected = 0;
+  const float vv[2][2] = {{1, 2}, {0, -1}}, vo[2][2] = {{0, 1}, {0.5f, 0.5f}}, tg[2][2] = {{1, 1}, {0, 0}};
+  const double rr[2] = {0.75, 0.25};
+  for (int i = 0; i < 2; ++i) {
+    double lp = 0, ln = 0;
+    for (int j = 0; j < 2; ++j) {
+      const double vp = (1 - b) * vo[i][j] + b * vv[i][j], vn = (1 + b) * vo[i][j] - b * vv[i][j];
+      lp += (vp - tg[i][j]) * (vp - tg[i][j]) / 2;
+      ln += (vn - tg[i][j]) * (vn - tg[i][j]) / 2;
+    }
+    expected += (rr[i] * lp + (1 - rr[i]) * ln) / 2;
+  }
+  CHECK(algo::nft_loss(v, v_old, target, r, b).item<double>() == Approx(expected).epsilon(1e-6));
+  // By hand: sample 0: v+ = (0.5, 1.5), v- = (-0.5, 0.5): lp = 0.25/2+0.25/2 = 0.25, ln = (2.25+0.25)/2 = 1.25.
+  CHECK(expected == Approx((0.75 * 0.25 + 0.25 * 1.25 + (0.25 * 0.125 + 0.75 * 0.8125)) / 2));
+}
+
+TEST_CASE("RAM on a Gaussian base with a linear reward moves the mean to the analytic tilt", "[flow][cpu][slow]") {
+  // Base N(0, 1) in 2 dimensions, reward r = c (x_1 + x_2), advantages r - mean_g, multiplier m:
+  // the fixed point is N(m c s^2, s^2) = N(0.5, 1) in each dimension (lambda = 1/m).
+  struct linear_reward {
+    double c;
+    torch::Tensor operator()(const rollout::flow_rollout& b) { return c * b.samples().sum(1); }
+  };
+  const double c = 0.5, m = 1.0;
+  trainer<gaussian_model, algo::ram<>, linear_reward> t(
+      gaussian_model(gaussian_net(2, 0.0, 1.0), {2}), linear_reward{c},
+      {.algorithm = {.multiplier = m,
+                     .draws = 8,
+                     .ema_decay = 0.5,
+                     .advantage = {.scale_by_std = false},
+                     .sampler = {.steps = 40}},
+       .optim = {.lr = 0.02},
+       .group_size = 128,
+       .seed = 5,
+       .progress = false});
+  const auto cond = torch::zeros({2}, torch::kInt64);
+  for (int i = 0; i < 300; ++i) t.step(cond);
+  auto& net = t.models().policy.net();
+  const auto mu = net->mu.detach();
+  const auto s = net->log_s.detach().exp();
+  INFO("mu = " << mu << " s = " << s);
+  // Tolerance: 0.06 on a shift of 0.5 (Monte Carlo noise of 256 endpoints a step and the Adam jitter).
+  CHECK(mu[0].item<double>() == Approx(m * c).margin(0.06));
+  CHECK(mu[1].item<double>() == Approx(m * c).margin(0.06));
+  CHECK(s[0].item<double>() == Approx(1.0).margin(0.06));
+  CHECK(s[1].item<double>() == Approx(1.0).margin(0.06));
+  // The reference is untouched.
+  CHECK(t.models().reference->net()->mu.abs().max().item<double>() == 0.0);
+}
+
+TEST_CASE("flow-track algorithms raise a reward through the trainer", "[flow][cpu][slow]") {
+  // A small untrained class-conditional MLP; reward = mean brightness of the 4x4 sample.
+  struct brightness {
+    torch::Tensor operator()(const rollout::flow_rollout& b) { return b.samples().flatten(1).mean(1); }
+  };
+  const auto cond = labels(4);
+  auto evaluate = [&](auto& model) {
+    torch::NoGradGuard ng;
+    torch::manual_seed(99);
+    const torch::Tensor x = rollout::sample_trajectory(ode::euler({.steps = 10}), model, labels(64)).samples();
+    return x.mean().item<double>();
+  };
+  auto run = [&](auto algo_tag, auto algo_options, double lr) {
+    using A = typename decltype(algo_tag)::type;
+    torch::manual_seed(6);
+    trainer<models::flow_model<models::mlp_velocity_net>, A, brightness> t(
+        small_mlp_model(), brightness{},
+        {.algorithm = algo_options, .optim = {.lr = lr}, .group_size = 8, .seed = 6, .progress = false});
+    const double before = evaluate(t.models().policy);
+    for (int i = 0; i < 25; ++i) t.step(cond);
+    const double after = evaluate(t.models().policy);
+    INFO("before " << before << " after " << after);
+    CHECK(after > before + 0.1);
+  };
+  SECTION("Flow-GRPO") {
+    run(std::type_identity<algo::flow_grpo<>>{}, algo::flow_grpo_options{.beta = 0.0, .sampler = {.steps = 6}}, 3e-3);
+  }
+  SECTION("Flow-DPPO") {
+    run(std::type_identity<algo::flow_dppo<>>{}, algo::flow_dppo_options{.sampler = {.steps = 6}}, 3e-3);
+  }
+  SECTION("RAM") {
+    run(std::type_identity<algo::ram<>>{}, algo::ram_options{.multiplier = 1.0, .sampler = {.steps = 6}}, 3e-3);
+  }
+  SECTION("DiffusionNFT") {
+    run(std::type_identity<algo::diffusion_nft<>>{}, algo::diffusion_nft_options{.sampler = {.steps = 6}}, 3e-3);
+  }
+}
+
+// ---- adapters and nets ------------------------------------------------------------------------
+
+TEST_CASE("flow adapters: guidance, q_sample, shapes and errors", "[flow][cpu]") {
+  torch::manual_seed(7);
+  auto model = small_mlp_model();
+  const auto x = torch::randn({3, 1, 4, 4});
+  const auto t = torch::rand({3});
+  const auto c = torch::tensor({1, 2, 3}, torch::kInt64);
+  torch::NoGradGuard ng;
+  const auto vc = model.velocity(x, t, c);
+  const auto vu = model.net()->forward(x, t, model.net()->null_condition(c));
+  model.set_guidance(3.0);
+  CHECK(torch::allclose(model.velocity(x, t, c), vu + 3.0 * (vc - vu), 1e-5, 1e-5));
+  CHECK_THROWS_WITH(model.velocity(torch::randn({3, 1, 8, 8}), t, c), Catch::Contains("expected (B, [1, 4, 4])"));
+  CHECK_THROWS_AS(model.set_guidance(-1.0), unirl::error);
+  CHECK_THROWS_AS(rollout::sde::flow_grpo({.noise_level = 2.0}), unirl::config_error);
+  CHECK_THROWS_WITH(algo::flow_grpo<>({.clip_range = 0.0}), Catch::Contains("clip_range"));
+
+  // DDPM: abar in float64, q_sample's formula, the last-step DDIM deterministic.
+  const auto abar = models::ddpm_alphas_cumprod({});
+  CHECK(abar.scalar_type() == torch::kFloat64);
+  CHECK(abar[0].item<double>() == Approx(1 - 1e-4));
+  CHECK(abar[999].item<double>() == Approx(std::exp(torch::log(1 - torch::linspace(1e-4, 0.02, 1000, torch::kFloat64))
+                                                        .sum()
+                                                        .item<double>())));
+  models::ddpm_model<models::conv_velocity_net> ddpm(
+      models::conv_velocity_net(models::flow_net_options{.channels = 1, .num_classes = 10, .hidden = 8, .depth = 1,
+                                                         .embed_dim = 8}),
+      {1, 4, 4});
+  const auto e = torch::randn_like(x);
+  const auto xt = ddpm.q_sample(x, torch::tensor({0, 500, 999}, torch::kInt64), e);
+  const double a500 = abar[500].item<double>();
+  CHECK(torch::allclose(xt[1], std::sqrt(a500) * x[1] + std::sqrt(1 - a500) * e[1], 1e-5, 1e-5));
+  CHECK_THROWS_WITH(ddpm.q_sample(x, torch::tensor({0, 1, 1000}, torch::kInt64), e), Catch::Contains("out of [0, 1000)"));
+
+  // Nets: shapes and independent clones.
+  models::video_flow_model<models::temporal_velocity_net> video(
+      models::temporal_velocity_net(models::flow_net_options{.channels = 1, .num_classes = 4, .hidden = 8, .depth = 1,
+                                                             .embed_dim = 8}),
+      {5, 1, 8, 8});
+  const auto clip = torch::randn({2, 5, 1, 8, 8});
+  CHECK(video.velocity(clip, torch::rand({2}), torch::tensor({0, 3}, torch::kInt64)).sizes() == clip.sizes());
+  CHECK_THROWS_AS(models::video_flow_model<models::temporal_velocity_net>(
+                      models::temporal_velocity_net(models::flow_net_options{.channels = 1}), {1, 8, 8}),
+                  unirl::error);
+  auto copy = model.clone();
+  copy.parameters()[0].add_(1.0);
+  CHECK(!torch::equal(copy.parameters()[0], model.parameters()[0]));
+  // Embedding-conditioned nets use zeros as the null condition.
+  models::mlp_velocity_net emb(models::flow_net_options{.shape = {4}, .num_classes = 0, .cond_dim = 3, .hidden = 8,
+                                                        .depth = 1, .embed_dim = 8});
+  CHECK((emb->forward(torch::randn({2, 4}), torch::rand({2}), torch::randn({2, 3})).sizes() ==
+         std::vector<std::int64_t>{2, 4}));
+  CHECK(torch::equal(emb->null_condition(torch::ones({2, 3})), torch::zeros({2, 3})));
+}
+
+TEST_CASE("an ODE rollout cannot train a policy-gradient loss", "[flow][cpu]") {
+  model_set<gaussian_model> ms{gaussian_model(gaussian_net(1, 0.0, 1.0), {1})};
+  auto b = rollout::sample_trajectory(ode::euler({.steps = 3}), ms.policy, torch::zeros({4}, torch::kInt64));
+  b.advantages = torch::zeros({4});
+  algo::flow_grpo<> a({.beta = 0.0});
+  CHECK_THROWS_WITH(a.loss(ms, b, {}), Catch::Contains("no stochastic step"));
+}
+
+// ---- Fréchet distance -------------------------------------------------------------------------
+
+TEST_CASE("Fréchet distance matches closed forms", "[flow][cpu]") {
+  using eval::gaussian_statistics;
+  SECTION("commuting (diagonal) covariances: |dmu|^2 + sum (sqrt a - sqrt b)^2") {
+    gaussian_statistics a{Eigen::Vector3d(0, 1, 2), Eigen::Vector3d(1, 4, 9).asDiagonal()};
+    gaussian_statistics b{Eigen::Vector3d(1, 1, 0), Eigen::Vector3d(4, 1, 9).asDiagonal()};
+    CHECK(eval::frechet_distance(a, b) == Approx(1 + 4 + (1 - 2) * (1 - 2) + (2 - 1) * (2 - 1) + 0));
+  }
+  SECTION("non-commuting 2x2: tr sqrt(M) = sqrt(tr M + 2 sqrt(det M))") {
+    Eigen::Matrix2d s1, s2;
+    s1 << 2, 0.5, 0.5, 1;
+    s2 << 1, -0.3, -0.3, 3;
+    gaussian_statistics a{Eigen::Vector2d(0, 0), s1}, b{Eigen::Vector2d(0.5, -1), s2};
+    const Eigen::Matrix2d prod = s1 * s2;  // same trace and determinant as sqrt(S1) S2 sqrt(S1)
+    const double tr_sqrt = std::sqrt(prod.trace() + 2 * std::sqrt(prod.determinant()));
+    CHECK(eval::frechet_distance(a, b) == Approx(1.25 + s1.trace() + s2.trace() - 2 * tr_sqrt).epsilon(1e-10));
+    CHECK(eval::frechet_distance(a, a) == Approx(0.0).margin(1e-12));
+  }
+  SECTION("statistics of samples") {
+    torch::manual_seed(8);
+    const auto fa = torch::randn({50000, 2}, torch::kFloat64);
+    const auto fb = torch::randn({50000, 2}, torch::kFloat64) * 2 + 1;
+    // N(0, I) vs N(1, 4 I): 2 + 2 (1 - 2)^2 = 4.
+    CHECK(eval::frechet_distance(fa, fb) == Approx(4.0).margin(0.1));
+    const auto st = eval::feature_statistics(fb);
+    CHECK(st.mean(0) == Approx(1.0).margin(0.03));
+    CHECK(st.cov(1, 1) == Approx(4.0).margin(0.1));
+    CHECK_THROWS_WITH(eval::feature_statistics(torch::randn({1, 2})), Catch::Contains("N = 1"));
+  }
+}

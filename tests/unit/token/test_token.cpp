@@ -1,0 +1,258 @@
+// The token track: GPT with KV cache, the sampler (replay through the training forward gives the
+// same log-probabilities), GRPO / PPO stages, and short training runs through unirl::trainer.
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include <catch2/catch.hpp>
+#include <torch/torch.h>
+
+#include <unirl/algorithms/grpo.hpp>
+#include <unirl/algorithms/ppo_token.hpp>
+#include <unirl/models/gpt.hpp>
+#include <unirl/rollout/token_sampler.hpp>
+#include <unirl/trainer.hpp>
+
+using namespace unirl;
+
+namespace {
+models::gpt small_gpt(std::int64_t vocab = 8, std::int64_t max_len = 32) {
+  return models::gpt(models::gpt_options{.vocab_size = vocab, .max_len = max_len, .n_layer = 2, .n_head = 2, .d_model = 32});
+}
+prompt_batch ragged_prompts() {
+  return prompt_batch{.tokens = {{1, 2, 3}, {4}, {5, 6}}, .texts = {"a", "b", "c"}, .references = {"x", "y", "z"}};
+}
+// Fraction of generated tokens equal to `target`: an easy task a policy can learn in a few steps.
+struct count_target {
+  std::int64_t target = 1;
+  torch::Tensor operator()(const token_rollout& b) const {
+    const auto hit = (b.completion_ids == target).to(torch::kFloat) * b.completion_mask;
+    return hit.sum(1) / b.completion_mask.sum(1).clamp_min(1.0);
+  }
+};
+model_set<models::gpt> set_of(models::gpt m) { return model_set<models::gpt>{std::move(m)}; }
+}  // namespace
+
+TEST_CASE("gpt: cached incremental logits equal the full forward with left padding", "[cpu][token][gpt]") {
+  torch::manual_seed(0);
+  auto m = small_gpt();
+  m.train(false);
+  torch::NoGradGuard ng;
+  auto [ids, mask] = pad_prompts(ragged_prompts(), 1);
+  const auto extra = torch::randint(0, 8, {3, 5}, torch::kInt64);
+  const auto all_ids = torch::cat({ids, extra}, 1);
+  const auto all_mask = torch::cat({mask, torch::ones({3, 5})}, 1);
+  const auto full = m.logits(all_ids, all_mask);
+  auto cache = m.make_cache(3, 16);
+  std::vector<torch::Tensor> parts{m.logits_cached(ids, mask, cache)};
+  for (int t = 0; t < 5; ++t) parts.push_back(m.logits_cached(extra.slice(1, t, t + 1), torch::ones({3, 1}), cache));
+  const auto inc = torch::cat(parts, 1);
+  // only positions with a real token are meaningful
+  const auto diff = ((full - inc).abs().amax(-1) * all_mask).max().item<double>();
+  CHECK(diff <= 1e-5);
+  // a left-padded prompt gives the same logits as the unpadded one
+  const auto solo = m.logits(torch::tensor({{4L}}), torch::ones({1, 1}));
+  CHECK((solo[0][0] - full[1][2]).abs().max().item<double>() <= 1e-5);
+  CHECK_THROWS_WITH(m.logits_cached(extra, torch::ones({3, 5}), cache), Catch::Contains("KV cache holds 16"));
+}
+
+TEST_CASE("sampler: replaying the samples through the training forward gives the same log-probs",
+          "[cpu][token][sampler]") {
+  torch::manual_seed(1);
+  auto m = small_gpt();
+  m.train(false);
+  torch::NoGradGuard ng;
+  auto in = ragged_prompts();
+  in.decode = [](const std::vector<std::int64_t>& t) {
+    std::string s;
+    for (auto v : t) s += static_cast<char>('0' + v);
+    return s;
+  };
+  const auto b = sample_tokens(m, in, 4, {.max_new_tokens = 10, .temperature = 0.7, .stop_tokens = {0}});
+  REQUIRE(b.size() == 12);
+  const auto lp = models::completion_logprob(m, b, 0.7, false).first * b.completion_mask;
+  CHECK((lp - b.old_logp).abs().max().item<double>() <= 1e-5);
+  // groups are contiguous and carry the prompt's text and reference
+  CHECK(b.prompts[5] == "b");
+  CHECK(b.references[11] == "z");
+  CHECK(torch::equal(b.prompt_index, torch::tensor({0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2}, torch::kInt64)));
+  // after a stop token nothing is generated; decoded text excludes it and matches the ids
+  const auto ids = b.completion_ids, mk = b.completion_mask;
+  for (int64_t i = 0; i < b.size(); ++i) {
+    std::string expect;
+    bool stopped = false;
+    for (int64_t t = 0; t < ids.size(1); ++t) {
+      if (stopped) CHECK(mk[i][t].item<float>() == 0.f);
+      else {
+        CHECK(mk[i][t].item<float>() == 1.f);
+        if (ids[i][t].item<int64_t>() == 0) stopped = true;
+        else expect += static_cast<char>('0' + ids[i][t].item<int64_t>());
+      }
+    }
+    CHECK(b.completions[static_cast<std::size_t>(i)] == expect);
+  }
+}
+
+TEST_CASE("sampler: top-k 1 and a tiny top-p are greedy; filter_logits by hand", "[cpu][token][sampler]") {
+  const auto l = torch::tensor({{1.f, 3.f, 2.f, 0.f}});
+  const auto k2 = filter_logits(l, 2, 1.0);
+  CHECK(std::isinf(k2[0][0].item<float>()));
+  CHECK(k2[0][1].item<float>() == 3.f);
+  CHECK(k2[0][2].item<float>() == 2.f);
+  // probabilities .644, .237, .087, .032: top_p .7 keeps the first two
+  const auto p = filter_logits(l, 0, 0.7);
+  CHECK(std::isfinite(p[0][1].item<float>()));
+  CHECK(std::isfinite(p[0][2].item<float>()));
+  CHECK(std::isinf(p[0][0].item<float>()));
+  torch::manual_seed(2);
+  auto m = small_gpt();
+  torch::NoGradGuard ng;
+  const auto a = sample_tokens(m, ragged_prompts(), 3, {.max_new_tokens = 6, .top_k = 1});
+  const auto c = sample_tokens(m, ragged_prompts(), 3, {.max_new_tokens = 6, .top_p = 1e-6});
+  CHECK(torch::equal(a.completion_ids, c.completion_ids));
+  // greedy: every member of a group is the same
+  CHECK(torch::equal(a.completion_ids[0], a.completion_ids[1]));
+  CHECK_THROWS_WITH(sample_tokens(m, ragged_prompts(), 2, {.top_p = 0.0}), Catch::Contains("top_p"));
+  CHECK_THROWS_WITH(sample_tokens(m, prompt_batch{.tokens = {{}}}, 2, {}), Catch::Contains("prompt 0 is empty"));
+}
+
+TEST_CASE("grpo: on-policy first update has ratio exactly 1; zero-variance groups give zero loss gradient",
+          "[cpu][token][grpo]") {
+  torch::manual_seed(3);
+  algo::grpo<> g({.kl_coef = 0.0, .sampling = {.max_new_tokens = 5}});
+  auto ms = set_of(small_gpt());
+  const step_info info{0, 4};
+  auto b = g.sample(ms, ragged_prompts(), info);
+  const auto r = count_target{}(b);
+  const auto adv = g.advantage(ms, b, r, info);
+  CHECK(adv.size(0) == 12);
+  const auto t = g.loss(ms, b, info);
+  CHECK(t.ratio_mean == 1.0);
+  CHECK(t.clip_fraction == 0.0);
+  // all rewards equal: A = 0 everywhere, the policy gradient is exactly zero
+  g.advantage(ms, b, torch::full({12}, 0.7f), info);
+  CHECK(torch::equal(b.advantages, torch::zeros_like(b.advantages)));
+  const auto t0 = g.loss(ms, b, info);
+  t0.total.backward();
+  for (const auto& p : ms.policy.parameters())
+    if (p.grad().defined()) CHECK(p.grad().abs().max().item<double>() == 0.0);
+}
+
+TEST_CASE("grpo: the policy-gradient direction matches finite differences of the loss", "[cpu][token][grpo]") {
+  torch::manual_seed(4);
+  algo::grpo<> g({.clip_high = 0.28, .kl_coef = 0.1, .agg = algo::loss_agg::token_mean,
+                  .sampling = {.max_new_tokens = 4}});
+  auto ms = set_of(small_gpt());
+  ms.reference.emplace(ms.policy.clone());
+  const step_info info{0, 4};
+  auto b = g.sample(ms, ragged_prompts(), info);
+  REQUIRE(b.ref_logp.defined());
+  g.advantage(ms, b, torch::rand({12}), info);
+  // move the policy off pi_old so clip and KL matter
+  {
+    torch::NoGradGuard ng;
+    for (auto& p : ms.policy.parameters()) p.add_(0.05 * torch::randn_like(p));
+  }
+  auto head = ms.policy.net()->head->weight;
+  for (auto& p : ms.policy.parameters()) p.mutable_grad() = torch::Tensor();
+  g.loss(ms, b, info).total.backward();
+  const auto grad = head.grad().clone();
+  torch::NoGradGuard ng;
+  double worst = 0, scale = grad.abs().max().item<double>();
+  const double h = 1e-3;
+  for (int64_t k = 0; k < 6; ++k) {
+    const int64_t i = k * 7 % head.size(0), j = k * 5 % head.size(1);
+    const float orig = head[i][j].item<float>();
+    head[i][j] = orig + h;
+    const double up = g.loss(ms, b, info).total.item<double>();
+    head[i][j] = orig - h;
+    const double dn = g.loss(ms, b, info).total.item<double>();
+    head[i][j] = orig;
+    worst = std::max(worst, std::abs((up - dn) / (2 * h) - grad[i][j].item<double>()));
+  }
+  CHECK(scale > 0);
+  CHECK(worst <= 2e-3 * std::max(1.0, scale));
+}
+
+TEST_CASE("grpo: advantage kinds store per-token advantages under the mask", "[cpu][token][grpo]") {
+  torch::manual_seed(5);
+  auto ms = set_of(small_gpt());
+  const step_info info{0, 4};
+  const auto r = torch::tensor({1.f, 0.f, 0.f, 0.f, 1.f, 1.f, 0.f, 0.f, 2.f, 2.f, 2.f, 2.f});
+  for (auto kind : {algo::advantage_kind::group, algo::advantage_kind::dr_grpo, algo::advantage_kind::rloo}) {
+    algo::grpo<> g({.advantage = kind, .sampling = {.max_new_tokens = 3}});
+    auto b = g.sample(ms, ragged_prompts(), info);
+    const auto a = g.advantage(ms, b, r, info);
+    CHECK(torch::equal(b.advantages, a.unsqueeze(1) * b.completion_mask));
+    CHECK(a.slice(0, 8, 12).abs().max().item<float>() == 0.f);  // equal rewards
+  }
+  // Dr.GRPO by hand: group 1 mean .25
+  algo::grpo<> dr({.advantage = algo::advantage_kind::dr_grpo, .sampling = {.max_new_tokens = 3}});
+  auto b = dr.sample(ms, ragged_prompts(), info);
+  CHECK(dr.advantage(ms, b, r, info)[0].item<float>() == Approx(0.75f));
+  // REINFORCE++ with gamma 1 and no KL: every token gets the whitened outcome
+  algo::grpo<> rpp({.advantage = algo::advantage_kind::reinforce_pp, .sampling = {.max_new_tokens = 3}});
+  auto c = rpp.sample(ms, ragged_prompts(), info);
+  rpp.advantage(ms, c, r, info);
+  const auto m = c.completion_mask;
+  const auto expect = algo::masked_normalize(r.unsqueeze(1) * m, m);
+  CHECK((c.advantages - expect).abs().max().item<double>() <= 1e-5);
+}
+
+TEST_CASE("grpo: dynamic sampling refills groups whose rewards are all equal", "[cpu][token][grpo]") {
+  torch::manual_seed(6);
+  algo::grpo<> g({.dynamic_sampling = true, .max_resample_rounds = 4, .sampling = {.max_new_tokens = 3}});
+  auto ms = set_of(small_gpt());
+  const step_info info{0, 4};
+  CHECK_THROWS_WITH(g.sample(ms, ragged_prompts(), info), Catch::Contains("set_filter_reward"));
+  // reward 1 only for a hit on the first token: groups often all-0, never kept when degenerate
+  auto first_hit = [](const token_rollout& b) { return (b.completion_ids.select(1, 0) == 1).to(torch::kFloat); };
+  g.set_filter_reward(first_hit);
+  const auto b = g.sample(ms, ragged_prompts(), info);
+  REQUIRE(b.size() % 4 == 0);
+  const auto r = first_hit(b).view({-1, 4});
+  CHECK((r.amax(1) != r.amin(1)).all().item<bool>());
+}
+
+TEST_CASE("grpo through unirl::trainer raises the reward on an easy task", "[cpu][token][integration]") {
+  using algo_t = algo::grpo<>;
+  trainer<models::gpt, algo_t, count_target> t{
+      small_gpt(), count_target{},
+      {.algorithm = {.clip_high = 0.28, .agg = algo::loss_agg::token_mean, .sampling = {.max_new_tokens = 6}},
+       .optim = {.lr = 3e-3},
+       .group_size = 8,
+       .seed = 7,
+       .progress = false}};
+  CHECK_FALSE(t.models().reference.has_value());  // kl_coef = 0: no reference built
+  const prompt_batch in{.tokens = {{2}, {3, 4}, {5}, {6, 7}}};
+  double first = 0, last = 0;
+  for (int s = 0; s < 25; ++s) {
+    const auto st = t.step(in);
+    if (s < 3) first += st.reward_mean / 3;
+    if (s >= 22) last += st.reward_mean / 3;
+    if (s == 0) CHECK(st.ratio_mean == Approx(1.0).margin(1e-6));
+  }
+  CHECK(last > first + 0.3);
+}
+
+TEST_CASE("ppo (token track) through unirl::trainer raises the reward on an easy task", "[cpu][token][integration]") {
+  using algo_t = algo::ppo<>;
+  trainer<models::gpt, algo_t, count_target> t{
+      small_gpt(), count_target{},
+      {.algorithm = {.ent_coef = 0.0, .kl_coef = 0.05, .gamma = 1.0, .lambda = 0.95, .sampling = {.max_new_tokens = 6}},
+       .optim = {.lr = 3e-3},
+       .group_size = 8,
+       .minibatches = 2,
+       .seed = 8,
+       .progress = false}};
+  REQUIRE(t.models().critic.has_value());
+  REQUIRE(t.models().reference.has_value());
+  const prompt_batch in{.tokens = {{2}, {3, 4}, {5}, {6, 7}}};
+  double first = 0, last = 0;
+  for (int s = 0; s < 25; ++s) {
+    const auto st = t.step(in);
+    if (s < 3) first += st.reward_mean / 3;
+    if (s >= 22) last += st.reward_mean / 3;
+  }
+  CHECK(last > first + 0.3);
+}
