@@ -9,6 +9,7 @@
 
 #include <torch/torch.h>
 
+#include <unirl/algorithms/estimators.hpp>
 #include <unirl/concepts/algorithm.hpp>
 #include <unirl/concepts/model.hpp>
 #include <unirl/concepts/reward.hpp>
@@ -97,11 +98,7 @@ struct policy_gradient {
 
   template <class M>
   torch::Tensor advantage(unirl::model_set<M>&, rollout& b, const torch::Tensor& r, const unirl::step_info& info) {
-    auto g = r.view({-1, info.group_size});
-    auto centred = g - g.mean(1, true);
-    auto flat = (g.amax(1) == g.amin(1)).unsqueeze(1);  // all-equal group: exactly zero
-    auto a = torch::where(flat, torch::zeros_like(g), centred / (g.std(1, true, true) + opts_.adv_eps));
-    b.advantages = a.reshape({-1});
+    b.advantages = unirl::algo::group_normalized{{.eps = opts_.adv_eps}}(r, info.group_size);
     return b.advantages;
   }
 

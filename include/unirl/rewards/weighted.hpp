@@ -98,25 +98,15 @@ class weighted {
 
   /// The weighted sum of the components, (B,) float32 on the first component's device.
   template <class Batch>
+    requires(ScorerFor<Scorers, Batch> && ...)
   torch::Tensor operator()(const Batch& batch) {
-    // One readable error per misfit scorer, instead of an overload-resolution dump.
-    boost::hana::for_each(boost::hana::tuple_t<Scorers...>, [](auto t) {
-      using S = typename decltype(t)::type;
-      static_assert(ScorerFor<S, Batch>,
-                    "unirl::rewards::weighted: a scorer does not model ScorerFor<Scorer, Batch> (the "
-                    "RewardFor concept): it needs `torch::Tensor operator()(const Batch&)` for this batch "
-                    "type (e.g. a text rule needs `batch.completions`); see the instantiation below for "
-                    "which scorer and which batch");
-    });
     const std::int64_t n = batch_size(batch);
     std::vector<torch::Tensor> parts;
     parts.reserve(size);
     std::size_t i = 0;
     boost::hana::for_each(scorers_, [&](auto& s) {
-      if constexpr (ScorerFor<std::remove_cvref_t<decltype(s)>, Batch>) {
-        torch::NoGradGuard no_grad;
-        parts.push_back(check_scores(s(batch), n, "reward component '" + names_[i] + "'").detach().to(torch::kFloat32));
-      }
+      torch::NoGradGuard no_grad;
+      parts.push_back(check_scores(s(batch), n, "reward component '" + names_[i] + "'").detach().to(torch::kFloat32));
       ++i;
     });
     const auto device = parts.front().device();
@@ -139,6 +129,20 @@ class weighted {
     }
     last_parts_ = std::move(parts);
     return total;
+  }
+
+  /// Called with a batch some scorer cannot score: a compile error naming the concept. (It returns
+  /// void, so `RewardFor<weighted<...>, Batch>` is false and the trainer rejects it too.)
+  template <class Batch>
+    requires(!(ScorerFor<Scorers, Batch> && ...))
+  void operator()(const Batch&) {
+    boost::hana::for_each(boost::hana::tuple_t<Scorers...>, [](auto t) {
+      using S = typename decltype(t)::type;
+      static_assert(ScorerFor<S, Batch>,
+                    "unirl::rewards::weighted: a scorer does not model ScorerFor<Scorer, Batch> (the RewardFor "
+                    "concept): it needs `torch::Tensor operator()(const Batch&)` for this batch type (e.g. a text "
+                    "rule needs `batch.completions`); the instantiation below names the scorer and the batch");
+    });
   }
 
   /// Per-component mean and standard deviation of the last call (and weights when adaptive).

@@ -192,6 +192,9 @@ struct flow_grpo : detail::velocity_sampler_base {
 };
 
 /// Coefficients-preserving sampling (`noise_level` = a); its last step (t_next = 0) is deterministic.
+/// It preserves the coefficients of x0_hat and of the noise, not the marginal variance: with a
+/// posterior-mean model each step renews a fixed share sin^2(a pi/2) of the noise from x1_hat,
+/// whose variance is below 1, so spread-out data come out narrower than the ODE's at large a.
 struct cps : detail::velocity_sampler_base {
   explicit cps(const flow_sampler_options& o = {}) : velocity_sampler_base(o) {}
   template <class M>

@@ -229,9 +229,19 @@ TEST_CASE("with Gaussian data the SDE samplers match the ODE's mean and variance
     CHECK(v == Approx(v_ode).margin(tol_v));
   }
   SECTION("CPS") {
+    // CPS keeps the coefficients of x0_hat and of the noise, not the marginal variance: with a
+    // posterior-mean model each step renews a fixed share sin^2(a pi/2) of the noise from
+    // x1_hat, whose variance is below 1, so at a = 0.7 the variance falls short of the ODE's
+    // (0.17 vs 0.25 here, whatever the step count). Its mean matches, and so does its variance
+    // at a low noise level.
     const auto [m, v] = moments(sde::cps(o));
     CHECK(m == Approx(m_ode).margin(tol_m));
-    CHECK(v == Approx(v_ode).margin(tol_v));
+    CHECK(v < v_ode - 0.03);
+    auto low = o;
+    low.noise_level = 0.1;
+    const auto [m1, v1] = moments(sde::cps(low));
+    CHECK(m1 == Approx(m_ode).margin(tol_m));
+    CHECK(v1 == Approx(v_ode).margin(tol_v));
   }
   SECTION("DanceGRPO") {
     const auto [m, v] = moments(sde::dance(o));
@@ -239,9 +249,10 @@ TEST_CASE("with Gaussian data the SDE samplers match the ODE's mean and variance
     CHECK(v == Approx(v_ode).margin(tol_v));
   }
   SECTION("DDIM with eta = 1 and eta = 0 on the DDPM counterpart") {
+    // 500 of the 1000 timesteps: with fewer, ancestral steps from the posterior mean lose variance.
     models::ddpm_model<gaussian_eps_net> ddpm(gaussian_eps_net(mu, s), {1});
     auto run = [&](double eta) {
-      const auto x = rollout::sample_trajectory(sde::ddim({.steps = 50, .ddim_eta = eta}), ddpm, cond)
+      const auto x = rollout::sample_trajectory(sde::ddim({.steps = 500, .ddim_eta = eta}), ddpm, cond)
                          .samples()
                          .to(torch::kFloat64);
       return std::pair{x.mean().item<double>(), x.var().item<double>()};
@@ -403,8 +414,8 @@ TEST_CASE("group advantages are per condition", "[flow][cpu]") {
   REQUIRE(b.size() == 4);
   CHECK(torch::equal(b.conditions, torch::tensor({3, 3, 7, 7}, torch::kInt64)));
   const auto adv = a.advantage(ms, b, torch::tensor({1.0f, 0.0f, 5.0f, 5.0f}), info);
-  CHECK(adv[0].item<double>() == Approx(1 / (std::sqrt(0.5) + 1e-6)));
-  CHECK(adv[1].item<double>() == Approx(-1 / (std::sqrt(0.5) + 1e-6)));
+  CHECK(adv[0].item<double>() == Approx(0.5 / (std::sqrt(0.5) + 1e-6)));
+  CHECK(adv[1].item<double>() == Approx(-0.5 / (std::sqrt(0.5) + 1e-6)));
   CHECK(adv[2].item<double>() == 0.0);  // a group with equal rewards gets exactly 0
   CHECK(torch::equal(b.advantages, adv));
 }
@@ -429,8 +440,9 @@ TEST_CASE("DiffusionNFT loss equals its formula", "[flow][cpu]") {
     expected += (rr[i] * lp + (1 - rr[i]) * ln) / 2;
   }
   CHECK(algo::nft_loss(v, v_old, target, r, b).item<double>() == Approx(expected).epsilon(1e-6));
-  // By hand: sample 0: v+ = (0.5, 1.5), v- = (-0.5, 0.5): lp = 0.25/2+0.25/2 = 0.25, ln = (2.25+0.25)/2 = 1.25.
-  CHECK(expected == Approx((0.75 * 0.25 + 0.25 * 1.25 + (0.25 * 0.125 + 0.75 * 0.8125)) / 2));
+  // By hand: sample 0: v+ = (0.5, 1.5), v- = (-0.5, 0.5): lp = 0.25, ln = (2.25 + 0.25)/2 = 1.25;
+  // sample 1: v+ = (0.25, -0.25), v- = (0.75, 1.25): lp = 0.0625, ln = (0.5625 + 1.5625)/2 = 1.0625.
+  CHECK(expected == Approx((0.75 * 0.25 + 0.25 * 1.25 + 0.25 * 0.0625 + 0.75 * 1.0625) / 2));
 }
 
 TEST_CASE("RAM on a Gaussian base with a linear reward moves the mean to the analytic tilt", "[flow][cpu][slow]") {

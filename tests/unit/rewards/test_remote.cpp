@@ -26,7 +26,9 @@
 #include <unirl/rewards/rules.hpp>
 #include <unirl/rewards/server.hpp>
 #include <unirl/rewards/weighted.hpp>
+#include <unirl/trainer.hpp>
 
+#include "common/bandit.hpp"
 #include "test_batches.hpp"
 
 using namespace unirl::rewards;
@@ -331,4 +333,46 @@ TEST_CASE("a reward server killed mid-run is reported, not waited for", "[cpu][r
   }
   CHECK(seconds_since(t0) < 5.0);  // far below the 10 s timeout: the failure is noticed, not waited out
   CHECK_THROWS_AS(remote(fine), unirl::runtime_failure);
+}
+
+namespace {
+// The bandit track's answers as text, scored by a remote service: any batch can be sent once it
+// is put into the fields a hosted scorer reads.
+struct remote_label_reward {
+  remote_scorer remote;
+  torch::Tensor operator()(const bandit::rollout& b) {
+    text_batch t;
+    for (std::int64_t i = 0; i < b.size(); ++i) {
+      t.completions.push_back(std::to_string(b.actions[i].item<std::int64_t>()));
+      t.references.push_back(std::to_string(b.labels[i].item<std::int64_t>()));
+    }
+    return remote(t);
+  }
+  std::map<std::string, double> last_components() const { return remote.last_components(); }
+};
+static_assert(unirl::RewardFor<remote_label_reward, bandit::rollout>);
+}  // namespace
+
+TEST_CASE("through the trainer: remote rewards train, and a dead service stops training", "[cpu][rewards][remote]") {
+  torch::manual_seed(0);
+  auto server = std::make_unique<reward_server<weighted<exact_answer>>>(weighted<exact_answer>{});
+  server->start();
+  using trainer_t = unirl::trainer<bandit::model, bandit::policy_gradient, remote_label_reward>;
+  trainer_t t{bandit::model{bandit::policy_net{}},
+              remote_label_reward{remote_scorer{{.url = server->url(), .timeout_s = 5, .retries = 1, .backoff_s = 0.01}}},
+              {.optim = {.lr = 1e-2}, .group_size = 4, .progress = false}};
+  bandit::prompts in{torch::randn({8, 64}), torch::randint(0, 10, {8}, torch::kInt64)};
+  auto s = t.step(in);
+  CHECK(s.samples == 32);
+  CHECK(s.extra.at("reward/exact_answer") == Approx(s.reward_mean));
+  CHECK(s.optimizer_steps == 1);
+
+  // The service goes away: the step fails with the URL and the cause, and no update happens.
+  const auto url = server->url();
+  server.reset();
+  std::vector<torch::Tensor> before;
+  for (const auto& p : t.models().policy.parameters()) before.push_back(p.detach().clone());
+  CHECK_THROWS_WITH(t.step(in), Catch::Contains(url) && Catch::Contains("connection refused"));
+  const auto after = t.models().policy.parameters();
+  for (std::size_t k = 0; k < before.size(); ++k) CHECK(torch::equal(before[k], after[k]));
 }

@@ -58,6 +58,10 @@ static_assert(ScorerFor<overlong_penalty, unirl::token_rollout>);
 static_assert(unirl::RewardFor<weighted<exact_answer, regex_format>, text_batch>);
 static_assert(unirl::RewardFor<weighted<exact_answer, regex_format>, unirl::token_rollout>);
 static_assert(unirl::ReportsComponents<weighted<exact_answer, regex_format>>);
+// A composite that holds a scorer which cannot read the batch is not a reward for it (the trainer's
+// RewardFor check rejects it; calling it directly names ScorerFor — see weighted_misfit.cpp).
+static_assert(!unirl::RewardFor<weighted<exact_answer, regex_format>, image_batch>);
+static_assert(!unirl::RewardFor<weighted<regex_format>, unirl::rollout::flow_rollout>);
 static_assert(HasImages<unirl::rollout::flow_rollout>);
 static_assert(HasImages<image_batch> && !HasImages<text_batch>);
 

@@ -2,6 +2,7 @@
 // formulas; gradients are checked against central finite differences in double precision.
 #include <cmath>
 #include <functional>
+#include <vector>
 
 #include <catch2/catch.hpp>
 #include <torch/torch.h>
@@ -17,8 +18,8 @@
 using namespace unirl::algo;
 
 namespace {
-torch::Tensor f(std::initializer_list<float> v) { return torch::tensor(v, torch::kFloat); }
-torch::Tensor d(std::initializer_list<double> v) { return torch::tensor(v, torch::kDouble); }
+torch::Tensor f(std::vector<float> v) { return torch::tensor(v, torch::kFloat); }
+torch::Tensor d(std::vector<double> v) { return torch::tensor(v, torch::kDouble); }
 bool close(const torch::Tensor& a, const torch::Tensor& b, double tol = 1e-5) {
   return a.sizes() == b.sizes() && (a.to(torch::kDouble) - b.to(torch::kDouble)).abs().max().item<double>() <= tol;
 }

@@ -53,7 +53,8 @@ TEST_CASE("gpt: cached incremental logits equal the full forward with left paddi
   // a left-padded prompt gives the same logits as the unpadded one
   const auto solo = m.logits(torch::tensor({{4L}}), torch::ones({1, 1}));
   CHECK((solo[0][0] - full[1][2]).abs().max().item<double>() <= 1e-5);
-  CHECK_THROWS_WITH(m.logits_cached(extra, torch::ones({3, 5}), cache), Catch::Contains("KV cache holds 16"));
+  CHECK_THROWS_WITH(m.logits_cached(torch::cat({extra, extra}, 1), torch::ones({3, 10}), cache),
+                    Catch::Contains("KV cache holds 16"));
 }
 
 TEST_CASE("sampler: replaying the samples through the training forward gives the same log-probs",

@@ -1,0 +1,203 @@
+#pragma once
+/// \file data_parallel.hpp
+/// Data parallelism over PyTorch's c10d: every rank samples its own rollouts, gradients are
+/// averaged across ranks before each optimizer step, the initial weights are broadcast from
+/// rank 0, and the stability guard skips a step on every rank when any rank sees a NaN.
+///
+/// ```cpp
+/// // torchrun-style environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
+/// auto dp = unirl::par::data_parallel<unirl::par::gloo>::from_environment();
+/// unirl::trainer<my_model, my_algo, my_reward, unirl::par::data_parallel<unirl::par::gloo>>
+///     t{model, reward, opts, std::move(dp)};
+/// ```
+/// Backends: `par::gloo` (CPU tensors; Gloo ships with LibTorch) and `par::nccl` (CUDA tensors;
+/// available when LibTorch was built with NCCL, `UNIRL_WITH_NCCL` defined).
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdlib>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include <torch/torch.h>
+#include <torch/csrc/distributed/c10d/FileStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#if defined(UNIRL_WITH_NCCL)
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#endif
+
+#include <unirl/concepts/parallel.hpp>
+#include <unirl/core/error.hpp>
+
+namespace unirl::par {
+
+/// How the ranks find each other: a shared file (`file_path`, one machine or a shared file
+/// system) or a TCP store served by rank 0 (`host`, `port`).
+struct rendezvous {
+  std::string file_path{};           // FileStore when set
+  std::string host = "127.0.0.1";    // TCPStore otherwise
+  int port = 29500;
+  std::string interface_host{};      // Gloo: address to bind (empty: the machine's hostname)
+  std::chrono::milliseconds timeout{std::chrono::minutes(5)};
+  std::int64_t broadcast_every = 0;  // > 0: re-broadcast rank 0's weights every N syncs
+};
+
+/// Gloo process groups (CPU tensors).
+struct gloo {
+  static c10::intrusive_ptr<c10d::ProcessGroupGloo> create(const c10::intrusive_ptr<c10d::Store>& store, int rank,
+                                                           int world_size, const rendezvous& r) {
+    auto opts = c10d::ProcessGroupGloo::Options::create();
+    opts->timeout = r.timeout;
+    opts->devices.push_back(r.interface_host.empty()
+                                ? c10d::ProcessGroupGloo::createDefaultDevice()
+                                : c10d::ProcessGroupGloo::createDeviceForHostname(r.interface_host));
+    return c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, world_size, opts);
+  }
+};
+
+#if defined(UNIRL_WITH_NCCL)
+/// NCCL process groups (CUDA tensors).
+struct nccl {
+  static c10::intrusive_ptr<c10d::ProcessGroupNCCL> create(const c10::intrusive_ptr<c10d::Store>& store, int rank,
+                                                           int world_size, const rendezvous& r) {
+    auto opts = c10d::ProcessGroupNCCL::Options::create();
+    opts->timeout = r.timeout;
+    return c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, world_size, opts);
+  }
+};
+#endif
+
+/// The `ParallelStrategy` for data parallelism over a c10d backend.
+template <class Backend = gloo>
+class data_parallel {
+  static_assert(requires(const c10::intrusive_ptr<c10d::Store>& s, const rendezvous& r) { Backend::create(s, 0, 1, r); },
+                "unirl::par::data_parallel: Backend must provide static create(store, rank, world_size, rendezvous)");
+
+ public:
+  data_parallel(int rank, int world_size, rendezvous r = {}) : rank_(rank), world_size_(world_size), r_(std::move(r)) {
+    UNIRL_CHECK(world_size >= 1, "data_parallel: world_size = ", world_size, ": expected >= 1");
+    UNIRL_CHECK(rank >= 0 && rank < world_size, "data_parallel: rank = ", rank, ": expected in [0, ", world_size, ")");
+    c10::intrusive_ptr<c10d::Store> store;
+    if (!r_.file_path.empty()) {
+      store = c10::make_intrusive<c10d::FileStore>(r_.file_path, world_size);
+    } else {
+      c10d::TCPStoreOptions o;
+      o.port = static_cast<std::uint16_t>(r_.port);
+      o.isServer = rank == 0;
+      o.numWorkers = world_size;
+      o.timeout = r_.timeout;
+      store = c10::make_intrusive<c10d::TCPStore>(r_.host, o);
+    }
+    group_ = Backend::create(store, rank, world_size, r_);
+  }
+
+  /// Reads RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT (the variables torchrun sets).
+  static data_parallel from_environment(rendezvous r = {}) {
+    auto get = [](const char* name, const char* fallback) -> std::string {
+      const char* v = std::getenv(name);
+      return v ? v : fallback;
+    };
+    const auto parse = [&](const char* name, const char* fallback) {
+      const std::string text = get(name, fallback);
+      try {
+        return std::stoi(text);
+      } catch (const std::exception&) {
+        throw error(detail::concat("unirl: data_parallel: environment variable ", name, " = '", text,
+                                   "' is not an integer"));
+      }
+    };
+    r.host = get("MASTER_ADDR", r.host.c_str());
+    r.port = parse("MASTER_PORT", std::to_string(r.port).c_str());
+    return data_parallel(parse("RANK", "0"), parse("WORLD_SIZE", "1"), std::move(r));
+  }
+
+  int rank() const { return rank_; }
+  int world_size() const { return world_size_; }
+
+  /// Averages `.grad()` over ranks: one flat buffer, one all-reduce. A parameter without a
+  /// gradient contributes zeros (every rank must hold the same parameter list).
+  void all_reduce_gradients(const std::vector<torch::Tensor>& params) {
+    if (world_size_ == 1 || params.empty()) return;
+    std::vector<torch::Tensor> grads;
+    grads.reserve(params.size());
+    for (const auto& p : params)
+      grads.push_back(p.grad().defined() ? p.grad().reshape({-1}) : torch::zeros({p.numel()}, p.options()));
+    std::vector<torch::Tensor> flat{torch::cat(grads)};
+    group_->allreduce(flat)->wait();
+    flat[0].div_(world_size_);
+    std::int64_t offset = 0;
+    torch::NoGradGuard no_grad;
+    for (const auto& p : params) {
+      auto slice = flat[0].slice(0, offset, offset + p.numel()).view(p.sizes());
+      if (p.grad().defined()) p.mutable_grad().copy_(slice);
+      else p.mutable_grad() = slice.clone();
+      offset += p.numel();
+    }
+  }
+
+  /// Copies rank `root`'s values into `tensors` on every rank.
+  void broadcast(const std::vector<torch::Tensor>& tensors, int root) {
+    if (world_size_ == 1 || tensors.empty()) return;
+    torch::NoGradGuard no_grad;
+    std::vector<torch::Tensor> flats;
+    for (const auto& t : tensors) flats.push_back(t.detach().reshape({-1}));
+    std::vector<torch::Tensor> flat{torch::cat(flats)};
+    c10d::BroadcastOptions o;
+    o.rootRank = root;
+    group_->broadcast(flat, o)->wait();
+    std::int64_t offset = 0;
+    for (const auto& t : tensors) {
+      t.detach().copy_(flat[0].slice(0, offset, offset + t.numel()).view(t.sizes()));
+      offset += t.numel();
+    }
+  }
+
+  /// The mean of `value` over ranks.
+  double all_reduce_mean(double value) {
+    if (world_size_ == 1) return value;
+    std::vector<torch::Tensor> t{torch::tensor({value}, torch::kFloat64).to(device())};
+    group_->allreduce(t)->wait();
+    return t[0].item<double>() / world_size_;
+  }
+
+  /// True only when every rank passes `ok` (the guard skips a step everywhere or nowhere).
+  bool all_agree(bool ok) {
+    if (world_size_ == 1) return ok;
+    std::vector<torch::Tensor> t{torch::tensor({ok ? 0.0 : 1.0}, torch::kFloat64).to(device())};
+    group_->allreduce(t)->wait();
+    return t[0].item<double>() == 0.0;
+  }
+
+  /// Ranks apply identical averaged updates, so weights stay equal; with `broadcast_every`
+  /// rank 0's weights are re-broadcast every N syncs to remove any drift.
+  void sync_weights(const std::vector<torch::Tensor>& params) {
+    if (r_.broadcast_every > 0 && ++syncs_ % r_.broadcast_every == 0) broadcast(params, 0);
+  }
+
+  /// Blocks until every rank arrives.
+  void barrier() { group_->barrier()->wait(); }
+
+ private:
+  torch::Device device() const {
+#if defined(UNIRL_WITH_NCCL)
+    if constexpr (std::is_same_v<Backend, nccl>)
+      return torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(rank_ % std::max<int>(1, static_cast<int>(torch::cuda::device_count()))));
+#endif
+    return torch::kCPU;
+  }
+
+  int rank_ = 0;
+  int world_size_ = 1;
+  rendezvous r_;
+  std::int64_t syncs_ = 0;
+  using group_ptr = decltype(Backend::create(std::declval<const c10::intrusive_ptr<c10d::Store>&>(), 0, 0,
+                                            std::declval<const rendezvous&>()));
+  group_ptr group_;
+};
+
+}  // namespace unirl::par
+
+static_assert(unirl::ParallelStrategy<unirl::par::data_parallel<unirl::par::gloo>>);

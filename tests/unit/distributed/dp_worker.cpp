@@ -1,0 +1,111 @@
+// One rank of the distributed tests: started N times by test_distributed.cpp, the ranks meet
+// through a FileStore and write what they saw to <out>.<rank>.json.
+//   dp_worker grads|train <rank> <world> <store-file> <out-prefix>
+#include <cmath>
+#include <fstream>
+#include <iostream>
+#include <limits>
+
+#include <nlohmann/json.hpp>
+#include <unirl/parallel/data_parallel.hpp>
+#include <unirl/trainer.hpp>
+
+#include "common/bandit.hpp"
+#include "common/digits.hpp"
+
+using dp = unirl::par::data_parallel<unirl::par::gloo>;
+
+namespace {
+
+// Gradients of a least-squares loss on each rank's own data; after the all-reduce every rank
+// must hold the mean of all ranks' gradients, which each rank can also compute by itself.
+nlohmann::json check_gradients(dp& par) {
+  auto data = [](int r) {
+    torch::manual_seed(100 + r);
+    return std::pair{torch::randn({16, 5}), torch::randn({16, 3})};
+  };
+  torch::manual_seed(1000 + par.rank());  // different on every rank: the broadcast must fix it
+  auto lin = torch::nn::Linear(5, 3);
+  std::vector<torch::Tensor> params = lin->parameters();
+  par.broadcast(params, 0);
+  const auto w0 = lin->weight.detach().clone();
+  auto grads_on = [&](int r) {
+    lin->zero_grad();
+    auto [x, y] = data(r);
+    (lin->forward(x) - y).pow(2).mean().backward();
+    return std::pair{lin->weight.grad().clone(), lin->bias.grad().clone()};
+  };
+  auto expected_w = torch::zeros_like(lin->weight), expected_b = torch::zeros_like(lin->bias);
+  for (int r = 0; r < par.world_size(); ++r) {
+    auto [gw, gb] = grads_on(r);
+    expected_w += gw / par.world_size();
+    expected_b += gb / par.world_size();
+  }
+  grads_on(par.rank());
+  par.all_reduce_gradients(params);
+  return {{"max_grad_error", std::max((lin->weight.grad() - expected_w).abs().max().item<double>(),
+                                      (lin->bias.grad() - expected_b).abs().max().item<double>())},
+          {"weight_checksum", w0.sum().item<double>()},
+          {"mean_of_ranks", par.all_reduce_mean(static_cast<double>(par.rank()))},
+          {"all_agree_true", par.all_agree(true)},
+          {"all_agree_one_false", par.all_agree(par.rank() != par.world_size() - 1)}};
+}
+
+// Returns a NaN score on one chosen call on the last rank only.
+struct nan_on_last_rank {
+  bool last = false;
+  std::int64_t calls = 0;
+  torch::Tensor operator()(const bandit::rollout& b) {
+    auto r = bandit::correct_label{}(b);
+    if (last && calls == 5) r[0] = std::numeric_limits<float>::quiet_NaN();
+    ++calls;
+    return r;
+  }
+};
+
+nlohmann::json train(dp par) {
+  const auto digits = examples::load_digits(std::string(UNIRL_TEST_DATA_DIR) + "/digits.csv.gz");
+  const int rank = par.rank(), world = par.world_size();
+  torch::manual_seed(50 + rank);  // different initial weights: the trainer broadcasts rank 0's
+  using dp_trainer = unirl::trainer<bandit::model, bandit::policy_gradient, nan_on_last_rank, dp>;
+  dp_trainer t(bandit::model{bandit::policy_net(32)}, nan_on_last_rank{.last = rank == world - 1},
+               {.optim = {.lr = 3e-3}, .group_size = 4, .epochs = 2, .minibatches = 2, .seed = 7, .progress = false},
+               std::move(par));
+  double first = 0, last = 0;
+  const std::int64_t steps = 60, size = 32;
+  nlohmann::json skipped = nlohmann::json::array();
+  for (std::int64_t s = 0; s < steps; ++s) {
+    auto idx = torch::arange((s * world + rank) * size, (s * world + rank + 1) * size, torch::kInt64)
+                   .remainder(digits.labels.size(0));
+    const auto st = t.step(bandit::prompts{digits.images.index_select(0, idx).reshape({size, 64}),
+                                           digits.labels.index_select(0, idx)});
+    skipped.push_back(st.skipped_updates);
+    if (s < 5) first += st.reward_mean / 5;
+    if (s >= steps - 5) last += st.reward_mean / 5;
+  }
+  std::vector<double> flat;
+  for (const auto& p : t.models().policy.parameters()) {
+    auto c = p.detach().reshape({-1}).to(torch::kFloat64).contiguous();
+    flat.insert(flat.end(), c.data_ptr<double>(), c.data_ptr<double>() + c.numel());
+  }
+  return {{"first", first}, {"last", last}, {"skipped", skipped}, {"params", flat}};
+}
+
+}  // namespace
+
+int main(int argc, char** argv) try {
+  if (argc != 6) {
+    std::cerr << "usage: dp_worker grads|train <rank> <world> <store-file> <out-prefix>\n";
+    return 2;
+  }
+  const std::string mode = argv[1];
+  const int rank = std::stoi(argv[2]), world = std::stoi(argv[3]);
+  torch::set_num_threads(1);
+  dp par(rank, world, {.file_path = argv[4], .interface_host = "127.0.0.1", .timeout = std::chrono::seconds(60)});
+  const nlohmann::json out = mode == "grads" ? check_gradients(par) : train(std::move(par));
+  std::ofstream(std::string(argv[5]) + "." + std::to_string(rank) + ".json") << out.dump();
+  return 0;
+} catch (const std::exception& e) {
+  std::cerr << "dp_worker: " << e.what() << "\n";
+  return 1;
+}
