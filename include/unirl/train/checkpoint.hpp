@@ -35,7 +35,6 @@
 #include <functional>
 #include <iterator>
 #include <mutex>
-#include <sstream>
 #include <string>
 #include <system_error>
 #include <type_traits>

@@ -459,7 +459,7 @@ TEST_CASE("RAM on a Gaussian base with a linear reward moves the mean to the ana
                      .draws = 8,
                      .ema_decay = 0.5,
                      .advantage = {.scale_by_std = false},
-                     .sampler = {.steps = 40}},
+                     .sampler = {.steps = 200}},
        .optim = {.lr = 0.02},
        .group_size = 128,
        .seed = 5,
@@ -470,11 +470,12 @@ TEST_CASE("RAM on a Gaussian base with a linear reward moves the mean to the ana
   const auto mu = net->mu.detach();
   const auto s = net->log_s.detach().exp();
   INFO("mu = " << mu << " s = " << s);
-  // Tolerance: 0.06 on a shift of 0.5 (Monte Carlo noise of 256 endpoints a step and the Adam jitter).
-  CHECK(mu[0].item<double>() == Approx(m * c).margin(0.06));
-  CHECK(mu[1].item<double>() == Approx(m * c).margin(0.06));
-  CHECK(s[0].item<double>() == Approx(1.0).margin(0.06));
-  CHECK(s[1].item<double>() == Approx(1.0).margin(0.06));
+  // Tolerance: 0.05 on a shift of 0.5 (Monte Carlo noise of 256 endpoints a step, the Adam jitter,
+  // and the Euler sampler's step error in the endpoints' variance, which scales the tilt).
+  CHECK(mu[0].item<double>() == Approx(m * c).margin(0.05));
+  CHECK(mu[1].item<double>() == Approx(m * c).margin(0.05));
+  CHECK(s[0].item<double>() == Approx(1.0).margin(0.05));
+  CHECK(s[1].item<double>() == Approx(1.0).margin(0.05));
   // The reference is untouched.
   CHECK(t.models().reference->net()->mu.abs().max().item<double>() == 0.0);
 }
@@ -510,10 +511,10 @@ TEST_CASE("flow-track algorithms raise a reward through the trainer", "[flow][cp
     run(std::type_identity<algo::flow_dppo<>>{}, algo::flow_dppo_options{.sampler = {.steps = 6}}, 3e-3);
   }
   SECTION("RAM") {
-    run(std::type_identity<algo::ram<>>{}, algo::ram_options{.multiplier = 1.0, .sampler = {.steps = 6}}, 3e-3);
+    run(std::type_identity<algo::ram<>>{}, algo::ram_options{.multiplier = 1.0, .sampler = {.steps = 6}}, 1e-2);
   }
   SECTION("DiffusionNFT") {
-    run(std::type_identity<algo::diffusion_nft<>>{}, algo::diffusion_nft_options{.sampler = {.steps = 6}}, 3e-3);
+    run(std::type_identity<algo::diffusion_nft<>>{}, algo::diffusion_nft_options{.sampler = {.steps = 6}}, 1e-2);
   }
 }
 

@@ -1,0 +1,216 @@
+#!/usr/bin/env python3
+"""CleanRL-equivalent PPO on CartPole-v1 in Python (PyTorch), for a side-by-side throughput
+comparison with unirl's examples/10_cartpole_ppo.
+
+The training loop follows CleanRL's ppo.py (4 envs x 128 steps, GAE 0.99/0.95, 4 epochs x 4
+minibatches, clip 0.2, entropy 0.01, value 0.5 with clipping, max grad norm 0.5, Adam eps 1e-5,
+lr 2.5e-4 annealed, orthogonal init). Gym is not needed: CartPole-v1 and a synchronous vector
+env with auto-reset and episode statistics are written out below with Gym's dynamics.
+
+    python3 cleanrl_cartpole.py --total-timesteps 500000 --seed 1 --out summary.json
+"""
+import argparse
+import json
+import math
+import random
+import time
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.optim as optim
+from torch.distributions.categorical import Categorical
+
+
+class CartPole:
+    """Gym's CartPole-v1 (euler), float64 state, 500-step time limit."""
+
+    gravity, masscart, masspole, length, force_mag, tau = 9.8, 1.0, 0.1, 0.5, 10.0, 0.02
+    total_mass = masscart + masspole
+    polemass_length = masspole * length
+    theta_threshold = 12 * 2 * math.pi / 360
+    x_threshold = 2.4
+
+    def __init__(self, max_steps=500):
+        self.max_steps = max_steps
+        self.rng = np.random.default_rng()
+
+    def reset(self, seed=None):
+        if seed is not None:
+            self.rng = np.random.default_rng(seed)
+        self.state = self.rng.uniform(-0.05, 0.05, size=4).tolist()
+        self.steps = 0
+        return np.array(self.state, dtype=np.float32)
+
+    def step(self, action):
+        x, x_dot, theta, theta_dot = self.state
+        force = self.force_mag if action == 1 else -self.force_mag
+        costheta, sintheta = math.cos(theta), math.sin(theta)
+        temp = (force + self.polemass_length * theta_dot ** 2 * sintheta) / self.total_mass
+        thetaacc = (self.gravity * sintheta - costheta * temp) / (
+            self.length * (4.0 / 3.0 - self.masspole * costheta ** 2 / self.total_mass))
+        xacc = temp - self.polemass_length * thetaacc * costheta / self.total_mass
+        x += self.tau * x_dot
+        x_dot += self.tau * xacc
+        theta += self.tau * theta_dot
+        theta_dot += self.tau * thetaacc
+        self.state = [x, x_dot, theta, theta_dot]
+        self.steps += 1
+        terminated = x < -self.x_threshold or x > self.x_threshold or \
+            theta < -self.theta_threshold or theta > self.theta_threshold
+        truncated = (not terminated) and self.steps >= self.max_steps
+        return np.array(self.state, dtype=np.float32), 1.0, terminated, truncated
+
+
+class SyncVectorEnv:
+    """N copies stepped in turn; auto-reset; records finished episodes' return and length."""
+
+    def __init__(self, n, seed):
+        self.envs = [CartPole() for _ in range(n)]
+        self.returns = np.zeros(n)
+        self.lengths = np.zeros(n, dtype=np.int64)
+        self.episodes = []
+        self.obs = np.stack([e.reset(seed + i) for i, e in enumerate(self.envs)])
+
+    def step(self, actions):
+        rewards = np.zeros(len(self.envs), dtype=np.float32)
+        dones = np.zeros(len(self.envs), dtype=np.float32)
+        for i, (env, a) in enumerate(zip(self.envs, actions)):
+            obs, r, term, trunc = env.step(int(a))
+            rewards[i] = r
+            self.returns[i] += r
+            self.lengths[i] += 1
+            if term or trunc:
+                dones[i] = 1.0
+                self.episodes.append((self.returns[i], int(self.lengths[i])))
+                self.returns[i] = 0.0
+                self.lengths[i] = 0
+                obs = env.reset()
+            self.obs[i] = obs
+        return self.obs.copy(), rewards, dones
+
+
+def layer_init(layer, std=np.sqrt(2), bias_const=0.0):
+    torch.nn.init.orthogonal_(layer.weight, std)
+    torch.nn.init.constant_(layer.bias, bias_const)
+    return layer
+
+
+class Agent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.critic = nn.Sequential(layer_init(nn.Linear(4, 64)), nn.Tanh(), layer_init(nn.Linear(64, 64)), nn.Tanh(),
+                                    layer_init(nn.Linear(64, 1), std=1.0))
+        self.actor = nn.Sequential(layer_init(nn.Linear(4, 64)), nn.Tanh(), layer_init(nn.Linear(64, 64)), nn.Tanh(),
+                                   layer_init(nn.Linear(64, 2), std=0.01))
+
+    def get_value(self, x):
+        return self.critic(x)
+
+    def get_action_and_value(self, x, action=None):
+        logits = self.actor(x)
+        probs = Categorical(logits=logits)
+        if action is None:
+            action = probs.sample()
+        return action, probs.log_prob(action), probs.entropy(), self.critic(x)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--total-timesteps", type=int, default=500000)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--out", type=str, default="")
+    args = p.parse_args()
+    num_envs, num_steps, lr, gamma, lam = 4, 128, 2.5e-4, 0.99, 0.95
+    num_minibatches, update_epochs, clip_coef, ent_coef, vf_coef, max_grad_norm = 4, 4, 0.2, 0.01, 0.5, 0.5
+    batch_size = num_envs * num_steps
+    minibatch_size = batch_size // num_minibatches
+    num_iterations = args.total_timesteps // batch_size
+
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    torch.set_num_threads(1)
+
+    envs = SyncVectorEnv(num_envs, args.seed)
+    agent = Agent()
+    optimizer = optim.Adam(agent.parameters(), lr=lr, eps=1e-5)
+    obs = torch.zeros((num_steps, num_envs, 4))
+    actions = torch.zeros((num_steps, num_envs))
+    logprobs = torch.zeros((num_steps, num_envs))
+    rewards = torch.zeros((num_steps, num_envs))
+    dones = torch.zeros((num_steps, num_envs))
+    values = torch.zeros((num_steps, num_envs))
+
+    start = time.time()
+    global_step = 0
+    next_obs = torch.tensor(envs.obs)
+    next_done = torch.zeros(num_envs)
+    for iteration in range(1, num_iterations + 1):
+        optimizer.param_groups[0]["lr"] = (1.0 - (iteration - 1.0) / num_iterations) * lr
+        for step in range(num_steps):
+            global_step += num_envs
+            obs[step] = next_obs
+            dones[step] = next_done
+            with torch.no_grad():
+                action, logprob, _, value = agent.get_action_and_value(next_obs)
+                values[step] = value.flatten()
+            actions[step] = action
+            logprobs[step] = logprob
+            o, r, d = envs.step(action.numpy())
+            rewards[step] = torch.tensor(r)
+            next_obs, next_done = torch.tensor(o), torch.tensor(d)
+        with torch.no_grad():
+            next_value = agent.get_value(next_obs).reshape(1, -1)
+            advantages = torch.zeros_like(rewards)
+            lastgaelam = 0
+            for t in reversed(range(num_steps)):
+                if t == num_steps - 1:
+                    nextnonterminal = 1.0 - next_done
+                    nextvalues = next_value
+                else:
+                    nextnonterminal = 1.0 - dones[t + 1]
+                    nextvalues = values[t + 1]
+                delta = rewards[t] + gamma * nextvalues * nextnonterminal - values[t]
+                advantages[t] = lastgaelam = delta + gamma * lam * nextnonterminal * lastgaelam
+            returns = advantages + values
+        b_obs = obs.reshape((-1, 4))
+        b_logprobs = logprobs.reshape(-1)
+        b_actions = actions.reshape(-1)
+        b_advantages = advantages.reshape(-1)
+        b_returns = returns.reshape(-1)
+        b_values = values.reshape(-1)
+        b_inds = np.arange(batch_size)
+        for epoch in range(update_epochs):
+            np.random.shuffle(b_inds)
+            for s in range(0, batch_size, minibatch_size):
+                mb = b_inds[s:s + minibatch_size]
+                _, newlogprob, entropy, newvalue = agent.get_action_and_value(b_obs[mb], b_actions.long()[mb])
+                logratio = newlogprob - b_logprobs[mb]
+                ratio = logratio.exp()
+                mb_adv = b_advantages[mb]
+                mb_adv = (mb_adv - mb_adv.mean()) / (mb_adv.std() + 1e-8)
+                pg_loss = torch.max(-mb_adv * ratio, -mb_adv * torch.clamp(ratio, 1 - clip_coef, 1 + clip_coef)).mean()
+                newvalue = newvalue.view(-1)
+                v_unclipped = (newvalue - b_returns[mb]) ** 2
+                v_clipped = b_values[mb] + torch.clamp(newvalue - b_values[mb], -clip_coef, clip_coef)
+                v_loss = 0.5 * torch.max(v_unclipped, (v_clipped - b_returns[mb]) ** 2).mean()
+                loss = pg_loss - ent_coef * entropy.mean() + v_loss * vf_coef
+                optimizer.zero_grad()
+                loss.backward()
+                nn.utils.clip_grad_norm_(agent.parameters(), max_grad_norm)
+                optimizer.step()
+    seconds = time.time() - start
+    last = envs.episodes[-20:]
+    summary = {"env": "CartPole-v1", "implementation": "python-cleanrl", "seed": args.seed,
+               "final_mean_return": float(np.mean([e[0] for e in last])) if last else float("nan"),
+               "episodes": len(envs.episodes), "env_steps": global_step, "seconds": seconds,
+               "steps_per_second": global_step / seconds, "torch": torch.__version__}
+    print(json.dumps(summary, indent=2))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(summary, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

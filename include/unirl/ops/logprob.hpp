@@ -1,0 +1,217 @@
+#pragma once
+/// \file logprob.hpp
+/// Token log-probabilities and entropies from logits — the hottest op of LM training.
+///
+/// ```cpp
+/// auto [logp, entropy] = unirl::ops::token_logprob<unirl::exec::automatic>(logits, targets);
+/// // logits (N, V) float, targets (N,) int64  ->  logp (N,), entropy (N,), both differentiable
+/// auto lp = unirl::ops::linear_logprob(hidden, lm_head_weight, targets, /*chunk=*/1024);
+/// // the (N, V) logits are never held in memory at once, forward or backward
+/// ```
+/// `exec::reference` composes LibTorch ops (log_softmax, gather, a product for the entropy) and
+/// materialises the (N, V) log-probabilities and their gradient; `exec::cpu` is one fused pass
+/// per row (max, log-sum-exp, target logit, entropy) and a fused backward, with nothing of size
+/// (N, V) kept between them but the logits themselves.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <tuple>
+
+#include <ATen/Parallel.h>
+#include <torch/torch.h>
+
+#include <unirl/concepts/execution.hpp>
+#include <unirl/config.hpp>
+#include <unirl/core/error.hpp>
+#include <unirl/exec/policy.hpp>
+
+namespace unirl::ops {
+
+/// Log-probabilities of the targets and the entropies of the rows.
+struct logprob_result {
+  torch::Tensor logp;     // (N,)
+  torch::Tensor entropy;  // (N,)
+};
+
+namespace detail {
+
+inline void check_logprob_args(const torch::Tensor& logits, const torch::Tensor& targets) {
+  UNIRL_CHECK(logits.dim() == 2, "token_logprob: logits must be (N, V), got shape ", logits.sizes());
+  UNIRL_CHECK(targets.dim() == 1 && targets.size(0) == logits.size(0), "token_logprob: targets must be (",
+              logits.size(0), ",), got shape ", targets.sizes());
+  UNIRL_CHECK(targets.scalar_type() == torch::kLong, "token_logprob: targets must be int64, got ", targets.dtype());
+  UNIRL_CHECK(logits.is_floating_point(), "token_logprob: logits must be floating point, got ", logits.dtype());
+  if (targets.numel() > 0) {
+    const auto lo = targets.min().item<std::int64_t>(), hi = targets.max().item<std::int64_t>();
+    UNIRL_CHECK(lo >= 0 && hi < logits.size(1), "token_logprob: targets range over [", lo, ", ", hi,
+                "], outside the vocabulary [0, ", logits.size(1), ")");
+  }
+}
+
+inline logprob_result logprob_reference(const torch::Tensor& logits, const torch::Tensor& targets) {
+  const auto lsm = torch::log_softmax(logits, -1);
+  return {lsm.gather(1, targets.unsqueeze(1)).squeeze(1), -(lsm.exp() * lsm).sum(-1)};
+}
+
+// Row statistics shared by the forward and the backward: log-sum-exp and entropy.
+template <class T>
+UNIRL_HOST_DEVICE inline void row_stats(const T* x, std::int64_t v, T& lse, T& entropy) {
+  T m = x[0];
+  for (std::int64_t j = 1; j < v; ++j) m = x[j] > m ? x[j] : m;
+  T s = 0, sx = 0;
+  for (std::int64_t j = 0; j < v; ++j) {
+    const T e = std::exp(x[j] - m);
+    s += e;
+    sx += e * x[j];
+  }
+  lse = m + std::log(s);
+  entropy = lse - sx / s;  // H = lse - E_p[x]
+}
+
+// Fused forward and backward on contiguous CPU rows.
+struct fused_logprob : torch::autograd::Function<fused_logprob> {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, torch::Tensor logits,
+                                                torch::Tensor targets) {
+    const auto x = logits.contiguous();
+    const auto t = targets.contiguous();
+    const auto n = x.size(0), v = x.size(1);
+    auto logp = torch::empty({n}, x.options());
+    auto ent = torch::empty({n}, x.options());
+    auto lse = torch::empty({n}, x.options());
+    AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "unirl_fused_logprob", [&] {
+      const auto* xp = x.data_ptr<scalar_t>();
+      const auto* tp = t.data_ptr<std::int64_t>();
+      auto* lp = logp.data_ptr<scalar_t>();
+      auto* hp = ent.data_ptr<scalar_t>();
+      auto* sp = lse.data_ptr<scalar_t>();
+      at::parallel_for(0, n, 16, [&](std::int64_t lo, std::int64_t hi) {
+        for (std::int64_t i = lo; i < hi; ++i) {
+          const auto* row = xp + i * v;
+          row_stats(row, v, sp[i], hp[i]);
+          lp[i] = row[tp[i]] - sp[i];
+        }
+      });
+    });
+    ctx->save_for_backward({x, t, lse, ent});
+    return {logp, ent};
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto &x = saved[0], &t = saved[1], &lse = saved[2], &ent = saved[3];
+    const auto n = x.size(0), v = x.size(1);
+    const auto g_logp = grads[0].defined() ? grads[0].contiguous() : torch::zeros({n}, x.options());
+    const auto g_ent = grads[1].defined() ? grads[1].contiguous() : torch::zeros({n}, x.options());
+    auto gx = torch::empty_like(x);
+    AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "unirl_fused_logprob_backward", [&] {
+      const auto* xp = x.data_ptr<scalar_t>();
+      const auto* tp = t.data_ptr<std::int64_t>();
+      const auto* sp = lse.data_ptr<scalar_t>();
+      const auto* hp = ent.data_ptr<scalar_t>();
+      const auto* gl = g_logp.data_ptr<scalar_t>();
+      const auto* gh = g_ent.data_ptr<scalar_t>();
+      auto* gp = gx.data_ptr<scalar_t>();
+      at::parallel_for(0, n, 16, [&](std::int64_t lo, std::int64_t hi) {
+        for (std::int64_t i = lo; i < hi; ++i) {
+          const auto* row = xp + i * v;
+          auto* out = gp + i * v;
+          // d logp_t / dx_j = [j = t] - p_j ;  d H / dx_j = -p_j (log p_j + H)
+          for (std::int64_t j = 0; j < v; ++j) {
+            const scalar_t logp_j = row[j] - sp[i];
+            const scalar_t p = std::exp(logp_j);
+            out[j] = -gl[i] * p - gh[i] * p * (logp_j + hp[i]);
+          }
+          out[tp[i]] += gl[i];
+        }
+      });
+    });
+    return {gx, torch::Tensor()};
+  }
+};
+
+}  // namespace detail
+
+/// `log p(target)` and the entropy of each row of `logits`, with the implementation chosen by
+/// the execution policy (`exec::cpu` fused loops, `exec::reference` LibTorch ops; CUDA tensors
+/// use the reference until a kernel is registered).
+template <ExecutionPolicy Exec = exec::automatic>
+logprob_result token_logprob(const torch::Tensor& logits, const torch::Tensor& targets) {
+  detail::check_logprob_args(logits, targets);
+  if (Exec::select(logits) == backend::cpu && logits.device().is_cpu()) {
+    auto out = detail::fused_logprob::apply(logits, targets);
+    return {out[0], out[1]};
+  }
+  return detail::logprob_reference(logits, targets);
+}
+
+namespace detail {
+
+// The LM head and the log-probabilities in row chunks: forward keeps only (N,) results, and the
+// backward recomputes each chunk's logits, so memory is O(chunk * V) instead of O(N * V).
+struct chunked_linear_logprob : torch::autograd::Function<chunked_linear_logprob> {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, torch::Tensor hidden,
+                                                torch::Tensor weight, torch::Tensor targets, std::int64_t chunk) {
+    torch::NoGradGuard no_grad;
+    const auto n = hidden.size(0);
+    auto logp = torch::empty({n}, hidden.options());
+    auto ent = torch::empty({n}, hidden.options());
+    for (std::int64_t lo = 0; lo < n; lo += chunk) {
+      const auto hi = std::min(n, lo + chunk);
+      const auto r = logprob_reference(torch::matmul(hidden.slice(0, lo, hi), weight.t()), targets.slice(0, lo, hi));
+      logp.slice(0, lo, hi).copy_(r.logp);
+      ent.slice(0, lo, hi).copy_(r.entropy);
+    }
+    ctx->save_for_backward({hidden, weight, targets});
+    ctx->saved_data["chunk"] = chunk;
+    return {logp, ent};
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto &hidden = saved[0], &weight = saved[1], &targets = saved[2];
+    const auto chunk = ctx->saved_data["chunk"].toInt();
+    const auto n = hidden.size(0);
+    const auto g_logp = grads[0].defined() ? grads[0] : torch::zeros({n}, hidden.options());
+    const auto g_ent = grads[1].defined() ? grads[1] : torch::zeros({n}, hidden.options());
+    auto g_hidden = torch::zeros_like(hidden);
+    auto g_weight = torch::zeros_like(weight);
+    for (std::int64_t lo = 0; lo < n; lo += chunk) {
+      const auto hi = std::min(n, lo + chunk);
+      const auto h = hidden.slice(0, lo, hi);
+      const auto lsm = torch::log_softmax(torch::matmul(h, weight.t()), -1);  // (c, V)
+      const auto p = lsm.exp();
+      const auto ent = -(p * lsm).sum(-1, /*keepdim=*/true);
+      auto g_logits = -g_logp.slice(0, lo, hi).unsqueeze(1) * p - g_ent.slice(0, lo, hi).unsqueeze(1) * p * (lsm + ent);
+      g_logits.scatter_add_(1, targets.slice(0, lo, hi).unsqueeze(1), g_logp.slice(0, lo, hi).unsqueeze(1));
+      g_hidden.slice(0, lo, hi).copy_(torch::matmul(g_logits, weight));
+      g_weight.add_(torch::matmul(g_logits.t(), h));
+    }
+    return {g_hidden, g_weight, torch::Tensor(), torch::Tensor()};
+  }
+};
+
+}  // namespace detail
+
+/// `token_logprob(hidden @ weight^T, targets)` computed `chunk` rows at a time: the (N, V)
+/// logits are never materialised, in the forward or the backward (which recomputes them per
+/// chunk). hidden (N, D), weight (V, D) — the LM head — targets (N,) int64.
+inline logprob_result linear_logprob(const torch::Tensor& hidden, const torch::Tensor& weight,
+                                     const torch::Tensor& targets, std::int64_t chunk = 1024) {
+  UNIRL_CHECK(hidden.dim() == 2 && weight.dim() == 2 && hidden.size(1) == weight.size(1),
+              "linear_logprob: hidden (N, D) and weight (V, D) expected, got ", hidden.sizes(), " and ",
+              weight.sizes());
+  UNIRL_CHECK(targets.dim() == 1 && targets.size(0) == hidden.size(0), "linear_logprob: targets must be (",
+              hidden.size(0), ",), got ", targets.sizes());
+  UNIRL_CHECK(chunk >= 1, "linear_logprob: chunk = ", chunk, ": expected >= 1");
+  if (targets.numel() > 0) {
+    const auto lo = targets.min().item<std::int64_t>(), hi = targets.max().item<std::int64_t>();
+    UNIRL_CHECK(lo >= 0 && hi < weight.size(0), "linear_logprob: targets range over [", lo, ", ", hi,
+                "], outside the vocabulary [0, ", weight.size(0), ")");
+  }
+  auto out = detail::chunked_linear_logprob::apply(hidden, weight, targets, chunk);
+  return {out[0], out[1]};
+}
+
+}  // namespace unirl::ops
