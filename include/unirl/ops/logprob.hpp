@@ -25,6 +25,13 @@
 #include <unirl/core/error.hpp>
 #include <unirl/exec/policy.hpp>
 
+#if defined(UNIRL_WITH_CUDA_KERNELS)
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include <unirl/ops/cuda/logprob.cuh>
+#endif
+
 namespace unirl::ops {
 
 /// Log-probabilities of the targets and the entropies of the rows.
@@ -130,14 +137,63 @@ struct fused_logprob : torch::autograd::Function<fused_logprob> {
   }
 };
 
+#if defined(UNIRL_WITH_CUDA_KERNELS)
+// The same op on CUDA tensors, through the kernels of ops/cuda/logprob.cuh.
+struct cuda_logprob : torch::autograd::Function<cuda_logprob> {
+  static void check(cudaError_t e) {
+    UNIRL_CHECK(e == cudaSuccess, "token_logprob: CUDA kernel launch failed: ", cudaGetErrorString(e));
+  }
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, torch::Tensor logits,
+                                                torch::Tensor targets) {
+    const c10::cuda::CUDAGuard guard(logits.device());
+    const auto x = logits.contiguous();
+    const auto t = targets.contiguous();
+    const auto n = x.size(0), v = x.size(1);
+    auto logp = torch::empty({n}, x.options()), ent = torch::empty({n}, x.options()), lse = torch::empty({n}, x.options());
+    const auto stream = at::cuda::getCurrentCUDAStream().stream();
+    AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "unirl_cuda_logprob", [&] {
+      check(ops::cuda::logprob_forward<scalar_t>(x.data_ptr<scalar_t>(), t.data_ptr<std::int64_t>(), n, v,
+                                                 logp.data_ptr<scalar_t>(), ent.data_ptr<scalar_t>(),
+                                                 lse.data_ptr<scalar_t>(), stream));
+    });
+    ctx->save_for_backward({x, t, lse, ent});
+    return {logp, ent};
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto &x = saved[0], &t = saved[1], &lse = saved[2], &ent = saved[3];
+    const c10::cuda::CUDAGuard guard(x.device());
+    const auto n = x.size(0), v = x.size(1);
+    const auto gl = grads[0].defined() ? grads[0].contiguous() : torch::zeros({n}, x.options());
+    const auto gh = grads[1].defined() ? grads[1].contiguous() : torch::zeros({n}, x.options());
+    auto gx = torch::empty_like(x);
+    const auto stream = at::cuda::getCurrentCUDAStream().stream();
+    AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "unirl_cuda_logprob_backward", [&] {
+      check(ops::cuda::logprob_backward<scalar_t>(x.data_ptr<scalar_t>(), t.data_ptr<std::int64_t>(),
+                                                  lse.data_ptr<scalar_t>(), ent.data_ptr<scalar_t>(),
+                                                  gl.data_ptr<scalar_t>(), gh.data_ptr<scalar_t>(), n, v,
+                                                  gx.data_ptr<scalar_t>(), stream));
+    });
+    return {gx, torch::Tensor()};
+  }
+};
+#endif
+
 }  // namespace detail
 
 /// `log p(target)` and the entropy of each row of `logits`, with the implementation chosen by
-/// the execution policy (`exec::cpu` fused loops, `exec::reference` LibTorch ops; CUDA tensors
-/// use the reference until a kernel is registered).
+/// the execution policy: `exec::cpu` fused loops, `exec::cuda` the CUDA kernels (when unirl was
+/// built with `UNIRL_ENABLE_CUDA`), `exec::reference` LibTorch ops; `exec::automatic` by device.
 template <ExecutionPolicy Exec = exec::automatic>
 logprob_result token_logprob(const torch::Tensor& logits, const torch::Tensor& targets) {
   detail::check_logprob_args(logits, targets);
+#if defined(UNIRL_WITH_CUDA_KERNELS)
+  if (Exec::select(logits) == backend::cuda && logits.is_cuda()) {
+    auto out = detail::cuda_logprob::apply(logits, targets.to(logits.device()));
+    return {out[0], out[1]};
+  }
+#endif
   if (Exec::select(logits) == backend::cpu && logits.device().is_cpu()) {
     auto out = detail::fused_logprob::apply(logits, targets);
     return {out[0], out[1]};
