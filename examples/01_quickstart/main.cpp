@@ -7,7 +7,7 @@
 // Stage 1 (supervised): next-token training on "a+b=c." until the held-out accuracy (greedy)
 // enters [band_low, band_high] — a model that is right only part of the time, so the sparse
 // exact-answer reward has something to reinforce. Stage 2 (RL): GRPO through unirl::trainer.
-// Writes metrics.jsonl, reward.png and summary.json (accuracy_before, accuracy_after, steps,
+// Writes metrics.jsonl, reward_curve.png and summary.json (accuracy_before, accuracy_after, steps,
 // seconds) in --out.
 #include <chrono>
 #include <cstdint>
@@ -45,18 +45,22 @@ struct quickstart_options {
   std::int64_t eval_every = 25;
   double band_low = 0.20;             // stop pretraining once held-out accuracy is in the band
   double band_high = 0.40;
-  std::int64_t rl_steps = 120;
+  std::int64_t rl_steps = 150;
   std::int64_t prompts_per_step = 16;
   std::int64_t group_size = 8;
-  double rl_lr = 1e-3;
+  double rl_lr = 3e-4;
   double temperature = 1.0;
   double format_weight = 0.1;
-  double rl_seconds = 180;            // stop RL early after this many seconds
+  unirl::algo::advantage_kind advantage = unirl::algo::advantage_kind::dr_grpo;
+  double rl_seconds = 150;            // stop RL early after this many seconds (a loaded machine)
   std::int64_t seed = 0;
+  std::int64_t threads = 1;           // LibTorch intra-op threads (tiny tensors: 1 is fastest)
+  std::string pretrained = "";        // weights file: loaded when it exists, else written after stage 1
 };
 BOOST_HANA_ADAPT_STRUCT(quickstart_options, max_operand, d_model, n_layer, n_head, heldout, pretrain_lr,
                         pretrain_batch, pretrain_max_steps, eval_every, band_low, band_high, rl_steps,
-                        prompts_per_step, group_size, rl_lr, temperature, format_weight, rl_seconds, seed);
+                        prompts_per_step, group_size, rl_lr, temperature, format_weight, advantage, rl_seconds, seed,
+                        threads, pretrained);
 
 namespace {
 using clock_type = std::chrono::steady_clock;
@@ -130,18 +134,20 @@ double pretrain_step(unirl::models::gpt& model, torch::optim::Optimizer& opt, ta
     seqs.push_back(std::move(ids));
   }
   const auto Li = static_cast<std::int64_t>(L);
-  auto ids = torch::full({batch, Li}, t.tok.pad_id(), torch::kInt64);
-  auto mask = torch::zeros({batch, Li});
-  auto target_mask = torch::zeros({batch, Li - 1});
+  std::vector<std::int64_t> id_buf(static_cast<std::size_t>(batch * Li), t.tok.pad_id());
+  std::vector<float> mask_buf(static_cast<std::size_t>(batch * Li), 0.f), target_buf(static_cast<std::size_t>(batch * (Li - 1)), 0.f);
   for (std::int64_t i = 0; i < batch; ++i) {
     const auto& s = seqs[static_cast<std::size_t>(i)];
     for (std::size_t j = 0; j < s.size(); ++j) {
-      ids[i][static_cast<std::int64_t>(j)] = s[j];
-      mask[i][static_cast<std::int64_t>(j)] = 1.f;
+      id_buf[static_cast<std::size_t>(i * Li) + j] = s[j];
+      mask_buf[static_cast<std::size_t>(i * Li) + j] = 1.f;
     }
     for (auto j = prompt_len[static_cast<std::size_t>(i)] - 1; j < static_cast<std::int64_t>(s.size()) - 1; ++j)
-      target_mask[i][j] = 1.f;
+      target_buf[static_cast<std::size_t>(i * (Li - 1) + j)] = 1.f;
   }
+  const auto ids = torch::tensor(id_buf, torch::kInt64).view({batch, Li});
+  const auto mask = torch::tensor(mask_buf, torch::kFloat).view({batch, Li});
+  const auto target_mask = torch::tensor(target_buf, torch::kFloat).view({batch, Li - 1});
   const auto logits = model.logits(ids.slice(1, 0, Li - 1), mask.slice(1, 0, Li - 1));
   const auto logp = unirl::models::token_logprob(logits, ids.slice(1, 1, Li), 1.0, false).first;
   const auto loss = -(logp * target_mask).sum() / target_mask.sum();
@@ -155,7 +161,7 @@ double pretrain_step(unirl::models::gpt& model, torch::optim::Optimizer& opt, ta
 int main(int argc, char** argv) try {
   quickstart_options o;
   const auto rest = unirl::options::parse_command_line(o, argc, argv);
-  std::string out = "quickstart_out";
+  std::string out = "runs/quickstart";
   for (std::size_t i = 0; i < rest.size(); ++i) {
     if (rest[i] == "--out" && i + 1 < rest.size()) out = rest[++i];
     else if (rest[i].starts_with("--out=")) out = rest[i].substr(6);
@@ -165,9 +171,10 @@ int main(int argc, char** argv) try {
     } else throw unirl::config_error(rest[i], "unknown flag; expected --out DIR or key=value");
   }
   std::filesystem::create_directories(out);
-  torch::set_num_threads(std::max(1, static_cast<int>(std::thread::hardware_concurrency())));
+  torch::set_num_threads(static_cast<int>(std::max<std::int64_t>(1, o.threads)));
   torch::manual_seed(static_cast<std::uint64_t>(o.seed));
   const auto t_start = clock_type::now();
+  std::cout << std::fixed << std::setprecision(2);
 
   task t(o.max_operand, o.heldout, static_cast<std::uint64_t>(o.seed) * 7919 + 17);
   unirl::models::gpt model(unirl::models::gpt_options{
@@ -179,7 +186,13 @@ int main(int argc, char** argv) try {
   torch::optim::AdamW opt(model.parameters(), torch::optim::AdamWOptions(o.pretrain_lr).weight_decay(0.0));
   double acc = 0.0, loss = 0.0;
   std::int64_t pre_steps = 0;
-  for (; pre_steps < o.pretrain_max_steps; ++pre_steps) {
+  const bool cached = !o.pretrained.empty() && std::filesystem::exists(o.pretrained);
+  if (cached) {
+    torch::load(model.net(), o.pretrained);
+    std::cout << "  loaded pretrained weights from " << o.pretrained << "\n";
+    pre_steps = -1;
+  }
+  for (; !cached && pre_steps < o.pretrain_max_steps; ++pre_steps) {
     model.train(true);
     loss = pretrain_step(model, opt, t, o.pretrain_batch);
     if ((pre_steps + 1) % o.eval_every == 0) {
@@ -193,6 +206,7 @@ int main(int argc, char** argv) try {
   }
   ++pre_steps;
   const double pretrain_seconds = since(t_start);
+  if (!cached && !o.pretrained.empty()) torch::save(model.net(), o.pretrained);
   model.train(false);
   const double acc_before = accuracy(model, t);
   std::cout << "pretrained in " << pre_steps << " steps, " << std::setprecision(1) << pretrain_seconds
@@ -208,6 +222,7 @@ int main(int argc, char** argv) try {
   trainer_t trainer{model, reward,
                     {.algorithm = {.clip_high = 0.28,
                                    .agg = unirl::algo::loss_agg::token_mean,
+                                   .advantage = o.advantage,
                                    .sampling = t.sampling(o.temperature)},
                      .optim = {.lr = o.rl_lr},
                      .group_size = o.group_size,
@@ -235,7 +250,7 @@ int main(int argc, char** argv) try {
 
   const auto metrics = (std::filesystem::path(out) / "metrics.jsonl").string();
   try {
-    unirl::train::plot_metrics(metrics, (std::filesystem::path(out) / "reward.png").string(),
+    unirl::train::plot_metrics(metrics, (std::filesystem::path(out) / "reward_curve.png").string(),
                                {"reward_mean", "reward/exact_answer", "kl"});
   } catch (const unirl::error& e) {
     std::cout << "no reward curve image: " << e.what() << "\n";
@@ -245,7 +260,7 @@ int main(int argc, char** argv) try {
                          {"seconds", seconds},            {"pretrain_seconds", pretrain_seconds},
                          {"rl_seconds", rl_seconds},      {"options", unirl::options::to_json(o)}};
   std::ofstream(std::filesystem::path(out) / "summary.json") << summary.dump(2) << "\n";
-  std::cout << "wrote " << out << "/metrics.jsonl, reward.png, summary.json\n";
+  std::cout << "wrote " << out << "/metrics.jsonl, reward_curve.png, summary.json\n";
   return 0;
 } catch (const std::exception& e) {
   std::cerr << "quickstart: " << e.what() << "\n";

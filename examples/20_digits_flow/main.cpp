@@ -41,13 +41,16 @@ namespace {
 using flow_t = unirl::models::flow_model<unirl::models::mlp_velocity_net>;
 
 struct example_options {
-  std::int64_t steps = 80;            // RL trainer steps
+  std::int64_t steps = 150;           // RL trainer steps
   std::int64_t conditions = 10;       // classes per step (each drawn group_size times)
   std::int64_t group_size = 8;
+  std::int64_t minibatches = 4;       // optimizer steps per rollout batch (off-policy after the first)
   std::int64_t sampler_steps = 10;    // denoising steps of the RL sampler
-  double lr = 1e-4;
-  std::int64_t pretrain_iters = 4000; // flow-matching iterations (cached)
-  std::int64_t hidden = 256;
+  double lr = 3e-5;
+  double kl_beta = 0.1;               // Flow-GRPO / Flow-DPPO: KL-to-reference coefficient
+  double multiplier = 0.5;            // RAM: reward multiplier m
+  std::int64_t pretrain_iters = 800;  // flow-matching iterations (cached)
+  std::int64_t hidden = 128;
   std::int64_t seed = 1;
 };
 
@@ -147,6 +150,7 @@ int run(const std::string& name, typename Algo::options algo, const example_opti
                                     .optim = {.lr = opt.lr},
                                     .clip = {.max_grad_norm = 1.0},
                                     .group_size = opt.group_size,
+                                    .minibatches = opt.minibatches,
                                     .seed = opt.seed,
                                     .metrics_path = out + "/metrics.jsonl",
                                     .progress = true,
@@ -195,8 +199,8 @@ int run(const std::string& name, typename Algo::options algo, const example_opti
 
 }  // namespace
 
-BOOST_HANA_ADAPT_STRUCT(example_options, steps, conditions, group_size, sampler_steps, lr, pretrain_iters, hidden,
-                        seed);
+BOOST_HANA_ADAPT_STRUCT(example_options, steps, conditions, group_size, minibatches, sampler_steps, lr, kl_beta, multiplier,
+                        pretrain_iters, hidden, seed);
 
 int main(int argc, char** argv) try {
   example_options opt;
@@ -214,11 +218,11 @@ int main(int argc, char** argv) try {
   namespace algo = unirl::algo;
   // The algorithm is a type: each branch instantiates the whole pipeline for it.
   if (algorithm == "grpo")
-    return run<algo::flow_grpo<>>("flow_grpo", {.clip_range = 1e-3, .beta = 0.01, .sampler = sde}, opt, root);
+    return run<algo::flow_grpo<>>("flow_grpo", {.clip_range = 1e-3, .beta = opt.kl_beta, .sampler = sde}, opt, root);
   if (algorithm == "dppo")
-    return run<algo::flow_dppo<>>("flow_dppo", {.delta = 1e-5, .sampler = sde}, opt, root);
+    return run<algo::flow_dppo<>>("flow_dppo", {.delta = 1e-5, .beta = opt.kl_beta, .sampler = sde}, opt, root);
   if (algorithm == "ram")
-    return run<algo::ram<>>("ram", {.multiplier = 0.5, .draws = 4, .ema_decay = 0.9, .sampler = sde}, opt, root);
+    return run<algo::ram<>>("ram", {.multiplier = opt.multiplier, .draws = 4, .ema_decay = 0.9, .sampler = sde}, opt, root);
   if (algorithm == "nft")
     return run<algo::diffusion_nft<>>("diffusion_nft", {.beta = 1.0, .sampler = sde}, opt, root);
   throw unirl::config_error("--algorithm", "value '" + algorithm + "': expected grpo, dppo, ram or nft");

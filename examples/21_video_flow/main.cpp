@@ -12,7 +12,7 @@
 //    the pretrained model, a frame-to-frame consistency figure (mean change of total intensity),
 //    strips of frames as PNGs and summary.json.
 //
-//   video_flow [--algorithm grpo|dppo] [--out DIR] [key=value ...]    e.g. steps=40
+//   video_flow [--algorithm grpo|dppo|ram|nft] [--out DIR] [key=value ...]    e.g. steps=40
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -23,8 +23,10 @@
 
 #include <unirl/train/plot.hpp>  // first: brings the stb_image_write implementation
 
+#include <unirl/algorithms/diffusion_nft.hpp>
 #include <unirl/algorithms/flow_dppo.hpp>
 #include <unirl/algorithms/flow_grpo.hpp>
+#include <unirl/algorithms/ram.hpp>
 #include <unirl/models/flow.hpp>
 #include <unirl/models/flow_nets.hpp>
 #include <unirl/rollout/flow_samplers.hpp>
@@ -44,8 +46,9 @@ struct example_options {
   std::int64_t group_size = 8;
   std::int64_t sampler_steps = 8;
   double lr = 2e-4;
-  std::int64_t pretrain_iters = 1500;
-  std::int64_t hidden = 24;
+  double multiplier = 1.0;             // RAM: reward multiplier m
+  std::int64_t pretrain_iters = 1000;
+  std::int64_t hidden = 16;
   std::int64_t seed = 1;
 };
 
@@ -195,8 +198,8 @@ int run(const std::string& name, typename Algo::options algo, const example_opti
 
 }  // namespace
 
-BOOST_HANA_ADAPT_STRUCT(example_options, steps, conditions, group_size, sampler_steps, lr, pretrain_iters, hidden,
-                        seed);
+BOOST_HANA_ADAPT_STRUCT(example_options, steps, conditions, group_size, sampler_steps, lr, multiplier, pretrain_iters,
+                        hidden, seed);
 
 int main(int argc, char** argv) try {
   example_options opt;
@@ -215,7 +218,11 @@ int main(int argc, char** argv) try {
     return run<unirl::algo::flow_grpo<>>("flow_grpo", {.clip_range = 1e-3, .beta = 0.01, .sampler = sde}, opt, root);
   if (algorithm == "dppo")
     return run<unirl::algo::flow_dppo<>>("flow_dppo", {.delta = 1e-5, .sampler = sde}, opt, root);
-  throw unirl::config_error("--algorithm", "value '" + algorithm + "': expected grpo or dppo");
+  if (algorithm == "ram")
+    return run<unirl::algo::ram<>>("ram", {.multiplier = opt.multiplier, .draws = 4, .sampler = sde}, opt, root);
+  if (algorithm == "nft")
+    return run<unirl::algo::diffusion_nft<>>("diffusion_nft", {.beta = 1.0, .sampler = sde}, opt, root);
+  throw unirl::config_error("--algorithm", "value '" + algorithm + "': expected grpo, dppo, ram or nft");
 } catch (const std::exception& e) {
   std::cerr << e.what() << "\n";
   return 2;

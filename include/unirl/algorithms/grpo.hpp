@@ -227,7 +227,8 @@ class grpo {
   }
 
   template <CausalLM M>
-  loss_terms loss(model_set<M>& models, const token_rollout& mb, const step_info&) {
+  loss_terms loss(model_set<M>& models, const token_rollout& minibatch, const step_info&) {
+    const token_rollout mb = minibatch.trimmed();  // dynamic padding: only the minibatch's own width
     const auto mask = mb.completion_mask;
     torch::Tensor logp, ent;
     std::tie(logp, ent) = models::completion_logprob(models.policy, mb, o_.sampling.temperature, true);

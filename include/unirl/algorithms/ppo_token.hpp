@@ -74,7 +74,9 @@ struct ppo_track<token_track> {
   }
 
   template <CausalLM M>
-  static ppo_eval evaluate(const ppo_options& o, model_set<M>& models, const token_rollout& mb, const step_info&) {
+  static ppo_eval evaluate(const ppo_options& o, model_set<M>& models, const token_rollout& minibatch,
+                           const step_info&) {
+    const token_rollout mb = minibatch.trimmed();  // dynamic padding
     UNIRL_CHECK(mb.advantages.defined() && mb.returns.defined(), "ppo: the minibatch has no advantages/returns");
     ppo_eval ev;
     std::tie(ev.logp, ev.entropy) = models::completion_logprob(models.policy, mb, o.sampling.temperature, true);

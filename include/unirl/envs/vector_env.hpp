@@ -13,6 +13,7 @@
 /// auto out = venv.step(torch::ones({4}, torch::kLong));    // out.rewards (4,), out.dones (4,)
 /// double r = venv.mean_recent_return(20);                  // NaN until an episode ends
 /// ```
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstdint>

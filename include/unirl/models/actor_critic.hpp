@@ -81,6 +81,12 @@ class actor_critic_netImpl : public torch::nn::Cloneable<actor_critic_netImpl<Di
 
   std::int64_t obs_dim() const { return obs_dim_; }
   std::int64_t action_dim() const { return action_dim_; }
+  /// A parameter whose device and dtype are the network's (inputs are converted to them).
+  /// (Looked up each time: cloning replaces the child modules after `reset()`.)
+  torch::Tensor anchor() const {
+    torch::nn::Sequential c = critic;
+    return c[0]->as<torch::nn::Linear>()->weight;
+  }
 
   torch::nn::Sequential critic{nullptr}, actor{nullptr};
   torch::Tensor log_std;  // (1, A), diag_gaussian only
@@ -198,8 +204,8 @@ class actor_critic : public module_adapter<actor_critic<Dist>, actor_critic_net<
   torch::Tensor input(const torch::Tensor& obs) const {
     UNIRL_CHECK(obs.dim() == 2 && obs.size(1) == obs_dim(), "actor_critic: observations of shape ", obs.sizes(),
                 ": expected (B, ", obs_dim(), ")");
-    const auto ps = this->net_->parameters();
-    return obs.to(ps.front().device(), ps.front().scalar_type());
+    const auto w = this->net_->anchor();
+    return obs.to(w.device(), w.scalar_type());
   }
   static torch::Tensor gaussian_logp(const torch::Tensor& a, const torch::Tensor& mean, const torch::Tensor& log_std) {
     const double half_log_2pi = 0.5 * std::log(2.0 * std::numbers::pi);

@@ -14,6 +14,8 @@
 ///  "completions": ["1+1=2", "1+1=3"], "references": ["2", "2"], "prompts": ["1+1=", "1+1="],
 ///  "tensors": {"images": {"dtype": "float32", "shape": [2, 1, 8, 8], "data": [0.0, ...]}}}
 /// ```
+/// A tensor may carry `"base64": "<raw little-endian bytes>"` instead of `"data"` (the client's
+/// `tensors = base64` option); servers accept both.
 /// Response, status 200: `{"rewards": [1.0, 0.0], "components": {"exact_answer": 0.5}}`
 /// (`rewards`: exactly `size` finite numbers, in request order; `components`: optional per-component
 /// means reported in the step statistics). Any other status is an error; its body should be
@@ -27,9 +29,13 @@
 /// torch::Tensor r2 = pending.get();                // throws runtime_failure after the retries
 /// ```
 #include <algorithm>
+#include <atomic>
+#include <bit>
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
+#include <cstring>
+#include <array>
 #include <cstdint>
 #include <future>
 #include <map>
@@ -38,6 +44,7 @@
 #include <string>
 #include <string_view>
 #include <thread>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -60,26 +67,80 @@ namespace unirl::rewards {
 // ---------------------------------------------------------------------------------------------
 // The wire format.
 
-/// A tensor as JSON: `{"dtype": "float32", "shape": [...], "data": [...]}` (row-major; float32,
-/// float64, int64 and bool are carried; other dtypes are sent as float32).
-inline nlohmann::json tensor_to_json(const torch::Tensor& t) {
+/// How tensors travel: JSON numbers (any client can read them) or base64 of the raw
+/// little-endian bytes (far smaller and faster for images).
+enum class tensor_encoding { numbers, base64 };
+}  // namespace unirl::rewards
+
+template <>
+inline constexpr std::array unirl::enum_names<unirl::rewards::tensor_encoding>{std::string_view{"numbers"},
+                                                                               std::string_view{"base64"}};
+
+namespace unirl::rewards {
+
+namespace detail {
+inline constexpr char b64_chars[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+
+inline std::string base64_encode(const void* data, std::size_t n) {
+  const auto* p = static_cast<const unsigned char*>(data);
+  std::string out;
+  out.reserve((n + 2) / 3 * 4);
+  for (std::size_t i = 0; i < n; i += 3) {
+    const std::uint32_t v = (std::uint32_t{p[i]} << 16) | (i + 1 < n ? std::uint32_t{p[i + 1]} << 8 : 0u) |
+                            (i + 2 < n ? std::uint32_t{p[i + 2]} : 0u);
+    out += b64_chars[(v >> 18) & 63];
+    out += b64_chars[(v >> 12) & 63];
+    out += i + 1 < n ? b64_chars[(v >> 6) & 63] : '=';
+    out += i + 2 < n ? b64_chars[v & 63] : '=';
+  }
+  return out;
+}
+
+inline std::vector<unsigned char> base64_decode(const std::string& s, const std::string& key) {
+  auto value = [&](char c) -> std::uint32_t {
+    if (c >= 'A' && c <= 'Z') return static_cast<std::uint32_t>(c - 'A');
+    if (c >= 'a' && c <= 'z') return static_cast<std::uint32_t>(c - 'a' + 26);
+    if (c >= '0' && c <= '9') return static_cast<std::uint32_t>(c - '0' + 52);
+    if (c == '+') return 62;
+    if (c == '/') return 63;
+    throw error("tensor '" + key + "': invalid base64 character '" + std::string(1, c) + "'");
+  };
+  UNIRL_CHECK(s.size() % 4 == 0, "tensor '", key, "': base64 text of length ", s.size(), "; expected a multiple of 4");
+  std::vector<unsigned char> out;
+  out.reserve(s.size() / 4 * 3);
+  for (std::size_t i = 0; i < s.size(); i += 4) {
+    const bool pad2 = s[i + 2] == '=', pad3 = s[i + 3] == '=';
+    const std::uint32_t v = (value(s[i]) << 18) | (value(s[i + 1]) << 12) | (pad2 ? 0u : value(s[i + 2]) << 6) |
+                            (pad3 ? 0u : value(s[i + 3]));
+    out.push_back(static_cast<unsigned char>(v >> 16));
+    if (!pad2) out.push_back(static_cast<unsigned char>((v >> 8) & 255));
+    if (!pad3) out.push_back(static_cast<unsigned char>(v & 255));
+  }
+  return out;
+}
+}  // namespace detail
+
+/// A tensor as JSON: `{"dtype": "float32", "shape": [...], "data": [...]}` (row-major), or with
+/// `"base64": "..."` (the raw little-endian bytes) in place of `"data"`. float32, float64, int64
+/// and bool are carried; other dtypes are sent as float32 (int32 as int64).
+inline nlohmann::json tensor_to_json(const torch::Tensor& t, tensor_encoding enc = tensor_encoding::numbers) {
   auto c = t.detach().to(torch::kCPU).contiguous();
   nlohmann::json j;
   j["shape"] = c.sizes().vec();
-  if (c.scalar_type() == torch::kInt64 || c.scalar_type() == torch::kInt32) {
-    c = c.to(torch::kInt64);
-    j["dtype"] = "int64";
-    j["data"] = std::vector<std::int64_t>(c.data_ptr<std::int64_t>(), c.data_ptr<std::int64_t>() + c.numel());
-  } else if (c.scalar_type() == torch::kBool) {
-    c = c.to(torch::kInt64);
-    j["dtype"] = "bool";
+  if (c.scalar_type() == torch::kInt32) c = c.to(torch::kInt64);
+  if (c.scalar_type() != torch::kInt64 && c.scalar_type() != torch::kBool && c.scalar_type() != torch::kFloat64)
+    c = c.to(torch::kFloat32);
+  j["dtype"] = c.scalar_type() == torch::kInt64 ? "int64" : c.scalar_type() == torch::kBool ? "bool"
+               : c.scalar_type() == torch::kFloat64 ? "float64" : "float32";
+  if (c.scalar_type() == torch::kBool) c = c.to(torch::kInt64);
+  if (enc == tensor_encoding::base64) {
+    UNIRL_CHECK(std::endian::native == std::endian::little, "tensor_to_json: base64 tensors are little-endian; use numbers on this host");
+    j["base64"] = detail::base64_encode(c.data_ptr(), static_cast<std::size_t>(c.numel()) * c.element_size());
+  } else if (c.scalar_type() == torch::kInt64) {
     j["data"] = std::vector<std::int64_t>(c.data_ptr<std::int64_t>(), c.data_ptr<std::int64_t>() + c.numel());
   } else if (c.scalar_type() == torch::kFloat64) {
-    j["dtype"] = "float64";
     j["data"] = std::vector<double>(c.data_ptr<double>(), c.data_ptr<double>() + c.numel());
   } else {
-    c = c.to(torch::kFloat32);
-    j["dtype"] = "float32";
     j["data"] = std::vector<float>(c.data_ptr<float>(), c.data_ptr<float>() + c.numel());
   }
   return j;
@@ -87,28 +148,43 @@ inline nlohmann::json tensor_to_json(const torch::Tensor& t) {
 
 /// The inverse of `tensor_to_json`; `key` names the tensor in errors.
 inline torch::Tensor tensor_from_json(const nlohmann::json& j, const std::string& key) {
-  UNIRL_CHECK(j.is_object() && j.contains("shape") && j.contains("data") && j["shape"].is_array() && j["data"].is_array(),
-              "tensor '", key, "': expected {\"dtype\", \"shape\": [...], \"data\": [...]}, got ", j.dump().substr(0, 200));
+  const bool b64 = j.is_object() && j.contains("base64") && j["base64"].is_string();
+  UNIRL_CHECK(j.is_object() && j.contains("shape") && j["shape"].is_array() &&
+                  (b64 || (j.contains("data") && j["data"].is_array())),
+              "tensor '", key, "': expected {\"dtype\", \"shape\": [...], \"data\": [...] or \"base64\": \"...\"}, got ",
+              j.dump().substr(0, 200));
   const auto shape = j["shape"].get<std::vector<std::int64_t>>();
   std::int64_t numel = 1;
   for (auto s : shape) {
     UNIRL_CHECK(s >= 0, "tensor '", key, "': negative dimension ", s, " in its shape");
     numel *= s;
   }
-  UNIRL_CHECK(static_cast<std::int64_t>(j["data"].size()) == numel, "tensor '", key, "': ", j["data"].size(),
-              " values for shape ", j["shape"].dump(), "; expected ", numel);
   const std::string dtype = j.value("dtype", "float32");
+  UNIRL_CHECK(dtype == "float32" || dtype == "float64" || dtype == "int64" || dtype == "bool", "tensor '", key,
+              "': dtype '", dtype, "'; expected float32, float64, int64 or bool");
+  const auto type = dtype == "float64" ? torch::kFloat64 : dtype == "float32" ? torch::kFloat32 : torch::kInt64;
   torch::Tensor t;
-  if (dtype == "int64" || dtype == "bool") {
-    const auto v = j["data"].get<std::vector<std::int64_t>>();
-    t = torch::tensor(v, torch::kInt64);
-    if (dtype == "bool") t = t.to(torch::kBool);
-  } else if (dtype == "float64") {
-    t = torch::tensor(j["data"].get<std::vector<double>>(), torch::kFloat64);
+  if (b64) {
+    UNIRL_CHECK(std::endian::native == std::endian::little, "tensor '", key, "': base64 tensors are little-endian; this host is not");
+    const auto bytes = detail::base64_decode(j["base64"].get<std::string>(), key);
+    const auto width = static_cast<std::int64_t>(torch::elementSize(type));
+    UNIRL_CHECK(static_cast<std::int64_t>(bytes.size()) == numel * width, "tensor '", key, "': ", bytes.size(),
+                " bytes for shape ", j["shape"].dump(), " of ", dtype, "; expected ", numel * width);
+    t = torch::empty({numel}, type);
+    if (numel > 0) std::memcpy(t.data_ptr(), bytes.data(), bytes.size());
   } else {
-    UNIRL_CHECK(dtype == "float32", "tensor '", key, "': dtype '", dtype, "'; expected float32, float64, int64 or bool");
-    t = torch::tensor(j["data"].get<std::vector<float>>(), torch::kFloat32);
+    UNIRL_CHECK(static_cast<std::int64_t>(j["data"].size()) == numel, "tensor '", key, "': ", j["data"].size(),
+                " values for shape ", j["shape"].dump(), "; expected ", numel);
+    try {
+      if (type == torch::kInt64) t = torch::tensor(j["data"].get<std::vector<std::int64_t>>(), torch::kInt64);
+      else if (type == torch::kFloat64) t = torch::tensor(j["data"].get<std::vector<double>>(), torch::kFloat64);
+      else t = torch::tensor(j["data"].get<std::vector<float>>(), torch::kFloat32);
+    } catch (const nlohmann::json::exception& e) {
+      throw error("tensor '" + key + "': its data are not all numbers (" + e.what() + ")");
+    }
+    t = t.reshape({numel});
   }
+  if (dtype == "bool") t = t.to(torch::kBool);
   return t.reshape(shape);
 }
 
@@ -150,7 +226,7 @@ static_assert(RolloutBatch<json_batch>);
 /// The request body for a batch: the non-empty text fields and images it has (see the schema above). A
 /// batch type may add fields by providing `void to_reward_json(nlohmann::json&) const`.
 template <class B>
-nlohmann::json encode_batch(const B& b) {
+nlohmann::json encode_batch(const B& b, tensor_encoding enc = tensor_encoding::numbers) {
   nlohmann::json j = nlohmann::json::object();
   j["size"] = batch_size(b);
   // Text fields a batch leaves empty (a token batch without prompt texts) are not sent.
@@ -158,9 +234,9 @@ nlohmann::json encode_batch(const B& b) {
   if constexpr (HasReferences<B>) if (!b.references.empty()) j["references"] = b.references;
   if constexpr (HasPrompts<B>) if (!b.prompts.empty()) j["prompts"] = b.prompts;
   if constexpr (std::is_same_v<B, json_batch>) {
-    for (const auto& [k, t] : b.tensors) j["tensors"][k] = tensor_to_json(t);
+    for (const auto& [k, t] : b.tensors) j["tensors"][k] = tensor_to_json(t, enc);
   } else if constexpr (HasImages<B>) {
-    j["tensors"]["images"] = tensor_to_json(images_of(b));
+    j["tensors"]["images"] = tensor_to_json(images_of(b), enc);
   }
   if constexpr (requires(nlohmann::json& out) { b.to_reward_json(out); }) b.to_reward_json(j);
   return j;
@@ -212,6 +288,7 @@ struct remote_options {
   double backoff_max_s = 10.0;        // ... up to this
   std::int64_t max_concurrency = 4;   // requests in flight at once (all calls of this scorer)
   std::int64_t chunk_size = 0;        // > 0: split a batch into requests of at most this many samples
+  tensor_encoding tensors = tensor_encoding::numbers;  // base64: raw bytes, for large images
 
   void validate(const std::string& prefix) const {
     options::require(url.rfind("http://", 0) == 0, prefix + "url", url, "an http:// URL (https is not supported)");
@@ -226,7 +303,7 @@ struct remote_options {
 };
 }  // namespace unirl::rewards
 BOOST_HANA_ADAPT_STRUCT(unirl::rewards::remote_options, url, timeout_s, retries, backoff_s, backoff_multiplier,
-                        backoff_max_s, max_concurrency, chunk_size);
+                        backoff_max_s, max_concurrency, chunk_size, tensors);
 namespace unirl::rewards {
 
 /// The parts of an http:// URL.
@@ -374,12 +451,12 @@ class remote_scorer {
     const auto chunk = state_->opts.chunk_size > 0 ? state_->opts.chunk_size : std::max<std::int64_t>(n, 1);
     std::vector<std::pair<std::string, std::int64_t>> bodies;
     if (n <= chunk) {
-      bodies.emplace_back(encode_batch(batch).dump(), n);
+      bodies.emplace_back(encode_batch(batch, state_->opts.tensors).dump(), n);
     } else {
       if constexpr (RolloutBatch<B>) {
         for (std::int64_t s = 0; s < n; s += chunk) {
           const auto len = std::min(chunk, n - s);
-          bodies.emplace_back(encode_batch(batch.select(torch::arange(s, s + len, torch::kInt64))).dump(), len);
+          bodies.emplace_back(encode_batch(batch.select(torch::arange(s, s + len, torch::kInt64)), state_->opts.tensors).dump(), len);
         }
       } else {
         throw config_error("chunk_size", "is set but the batch type has no select(index) to split it");
@@ -387,20 +464,34 @@ class remote_scorer {
     }
     auto st = state_;
     return std::async(std::launch::async, [st, bodies = std::move(bodies)]() -> torch::Tensor {
-      std::vector<std::future<std::pair<torch::Tensor, std::map<std::string, double>>>> parts;
-      for (const auto& [body, len] : bodies)
-        parts.push_back(std::async(std::launch::async, [st, &body = body, len = len] { return request(*st, body, len); }));
-      std::vector<torch::Tensor> out;
+      // At most max_concurrency workers pull chunks in order; the slot limit also holds across calls.
+      const auto n_parts = bodies.size();
+      std::vector<torch::Tensor> out(n_parts);
+      std::vector<std::map<std::string, double>> part_comps(n_parts);
+      std::vector<std::exception_ptr> errors(n_parts);
+      std::atomic<std::size_t> next{0};
+      std::atomic<bool> failed{false};
+      auto work = [&] {
+        for (std::size_t i = next++; i < n_parts && !failed; i = next++) {
+          try {
+            std::tie(out[i], part_comps[i]) = request(*st, bodies[i].first, bodies[i].second);
+          } catch (...) {
+            errors[i] = std::current_exception();
+            failed = true;  // the batch is lost anyway: send no more of it
+          }
+        }
+      };
+      const auto n_workers = std::min<std::size_t>(n_parts, static_cast<std::size_t>(st->opts.max_concurrency));
+      std::vector<std::thread> workers;
+      for (std::size_t w = 1; w < n_workers; ++w) workers.emplace_back(work);
+      work();
+      for (auto& w : workers) w.join();
       std::map<std::string, double> comps;
       std::exception_ptr first_error;
-      for (auto& p : parts) {
-        try {
-          auto [t, c] = p.get();
-          out.push_back(t);
-          for (const auto& [k, v] : c) comps[k] += v * static_cast<double>(t.numel());
-        } catch (...) {
-          if (!first_error) first_error = std::current_exception();
-        }
+      for (std::size_t i = 0; i < n_parts; ++i) {
+        if (errors[i] && !first_error) first_error = errors[i];
+        if (!errors[i])
+          for (const auto& [k, v] : part_comps[i]) comps[k] += v * static_cast<double>(out[i].numel());
       }
       if (first_error) std::rethrow_exception(first_error);  // never a partial batch
       auto r = out.size() == 1 ? out.front() : torch::cat(out, 0);

@@ -29,6 +29,7 @@
 #include <torch/torch.h>
 
 #include <unirl/concepts/reward.hpp>
+#include <unirl/config.hpp>
 #include <unirl/core/error.hpp>
 
 namespace unirl::rewards {

@@ -282,10 +282,11 @@ class reward_server {
     nlohmann::json out;
     try {
       std::lock_guard lock(mutex_);
+      // float32, as the client returns them: the shortest text that reads back exactly.
       const torch::Tensor r =
-          check_scores(scorer_(batch), batch.size(), "hosted scorer").detach().to(torch::kCPU).to(torch::kFloat64).contiguous();
+          check_scores(scorer_(batch), batch.size(), "hosted scorer").detach().to(torch::kCPU).to(torch::kFloat32).contiguous();
       UNIRL_CHECK(torch::isfinite(r).all().item<bool>(), "hosted scorer returned a non-finite reward: ", r);
-      out["rewards"] = std::vector<double>(r.data_ptr<double>(), r.data_ptr<double>() + r.numel());
+      out["rewards"] = std::vector<float>(r.data_ptr<float>(), r.data_ptr<float>() + r.numel());
       if constexpr (ReportsComponents<Scorer>) out["components"] = scorer_.last_components();
       ++served_;
     } catch (const std::exception& e) {

@@ -66,6 +66,34 @@ struct token_rollout {
   torch::Tensor full_ids() const { return torch::cat({prompt_ids, completion_ids}, 1); }
   torch::Tensor full_mask() const { return torch::cat({prompt_mask, completion_mask}, 1); }
 
+  /// Dynamic padding: the same samples without the prompt columns that are padding in every row
+  /// and the completion columns past the longest completion. Per-token results on the kept
+  /// columns are unchanged (positions count real tokens; padding is never attended), so a
+  /// minibatch of short responses costs what its tokens cost. Text fields are not carried.
+  token_rollout trimmed() const {
+    token_rollout out;
+    const auto P = prompt_mask.size(1), T = completion_mask.size(1);
+    const auto any_p = (prompt_mask.sum(0) > 0).to(torch::kCPU);
+    const auto any_c = (completion_mask.sum(0) > 0).to(torch::kCPU);
+    std::int64_t p0 = 0, t1 = T;
+    while (p0 < P - 1 && !any_p[p0].item<bool>()) ++p0;
+    while (t1 > 1 && !any_c[t1 - 1].item<bool>()) --t1;
+    auto cols = [](const torch::Tensor& x, std::int64_t a, std::int64_t b) {
+      return x.defined() ? x.slice(1, a, b) : torch::Tensor{};
+    };
+    out.prompt_ids = cols(prompt_ids, p0, P);
+    out.prompt_mask = cols(prompt_mask, p0, P);
+    out.completion_ids = cols(completion_ids, 0, t1);
+    out.completion_mask = cols(completion_mask, 0, t1);
+    out.old_logp = cols(old_logp, 0, t1);
+    out.ref_logp = cols(ref_logp, 0, t1);
+    out.values = cols(values, 0, t1);
+    out.returns = cols(returns, 0, t1);
+    out.advantages = cols(advantages, 0, t1);
+    out.prompt_index = prompt_index;
+    return out;
+  }
+
   /// The samples at `index` ((n,) int64), in order.
   token_rollout select(const torch::Tensor& index) const {
     UNIRL_CHECK(index.dim() == 1, "token_rollout::select: index must be 1-D, got sizes ", index.sizes());

@@ -514,7 +514,7 @@ TEST_CASE("flow-track algorithms raise a reward through the trainer", "[flow][cp
     run(std::type_identity<algo::ram<>>{}, algo::ram_options{.multiplier = 1.0, .sampler = {.steps = 6}}, 1e-2);
   }
   SECTION("DiffusionNFT") {
-    run(std::type_identity<algo::diffusion_nft<>>{}, algo::diffusion_nft_options{.sampler = {.steps = 6}}, 1e-2);
+    run(std::type_identity<algo::diffusion_nft<>>{}, algo::diffusion_nft_options{.adv_clip_max = 1.0, .sampler = {.steps = 6}}, 1e-2);
   }
 }
 

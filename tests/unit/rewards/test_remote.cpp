@@ -86,6 +86,24 @@ TEST_CASE("the wire format round-trips batches and tensors", "[cpu][rewards][rem
   auto d = torch::rand({2, 2}, torch::kFloat64);
   CHECK(torch::equal(tensor_from_json(tensor_to_json(d), "d"), d));
 
+  // base64 (RFC 4648 test vectors) and raw-byte tensors of every carried dtype.
+  const std::string foobar = "foobar";
+  for (std::size_t n = 0; n <= 6; ++n) {
+    const auto enc = unirl::rewards::detail::base64_encode(foobar.data(), n);
+    CHECK(enc == std::vector<std::string>{"", "Zg==", "Zm8=", "Zm9v", "Zm9vYg==", "Zm9vYmE=", "Zm9vYmFy"}[n]);
+    const auto dec = unirl::rewards::detail::base64_decode(enc, "t");
+    CHECK(std::string(dec.begin(), dec.end()) == foobar.substr(0, n));
+  }
+  CHECK_THROWS_WITH(unirl::rewards::detail::base64_decode("Zm9*", "pic"), Catch::Contains("'pic'") && Catch::Contains("'*'"));
+  for (const auto& x : {t, l, d, torch::tensor({true, false, true}), torch::empty({0, 3})}) {
+    const auto j = tensor_to_json(x, tensor_encoding::base64);
+    CHECK(j.contains("base64"));
+    CHECK(torch::equal(tensor_from_json(j, "x"), x));
+  }
+  auto short_bytes = tensor_to_json(t, tensor_encoding::base64);
+  short_bytes["shape"] = {2, 4};
+  CHECK_THROWS_WITH(tensor_from_json(short_bytes, "t"), Catch::Contains("24 bytes for shape [2,4] of float32; expected 32"));
+
   auto b = sums();
   auto j = encode_batch(b);
   CHECK(j["size"] == 5);
@@ -103,6 +121,7 @@ TEST_CASE("the wire format round-trips batches and tensors", "[cpu][rewards][rem
   auto ij = decode_batch(encode_batch(ib));
   REQUIRE(ij.images.defined());
   CHECK(torch::equal(ij.images, ib.images));
+  CHECK(torch::equal(decode_batch(encode_batch(ib, tensor_encoding::base64)).images, ib.images));
   CHECK(ij.select(torch::tensor({2}, torch::kInt64)).images.sizes() == torch::IntArrayRef{1, 1, 4, 4});
 
   nlohmann::json bad = j;

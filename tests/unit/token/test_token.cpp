@@ -1,6 +1,11 @@
 // The token track: GPT with KV cache, the sampler (replay through the training forward gives the
 // same log-probabilities), GRPO / PPO stages, and short training runs through unirl::trainer.
 #include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -10,6 +15,7 @@
 #include <unirl/algorithms/grpo.hpp>
 #include <unirl/algorithms/ppo_token.hpp>
 #include <unirl/models/gpt.hpp>
+#include <unirl/models/torchscript_lm.hpp>
 #include <unirl/rollout/token_sampler.hpp>
 #include <unirl/trainer.hpp>
 
@@ -256,4 +262,89 @@ TEST_CASE("ppo (token track) through unirl::trainer raises the reward on an easy
     if (s >= 22) last += st.reward_mean / 3;
   }
   CHECK(last > first + 0.3);
+}
+
+TEST_CASE("torchscript_lm: a model scripted in Python trains through the same trainer", "[cpu][token][torchscript]") {
+  if (std::system("/usr/bin/python3 -c 'import torch' > /dev/null 2>&1") != 0) {
+    WARN("skipped: /usr/bin/python3 with torch is not available to script the test model");
+    return;
+  }
+  namespace fs = std::filesystem;
+  std::mt19937_64 rng(std::random_device{}());
+  const auto dir = fs::temp_directory_path() / ("unirl_ts_" + std::to_string(rng()));
+  fs::create_directories(dir);
+  const auto script = dir / "make.py", model_path = dir / "lm.pt", expect_path = dir / "expect.txt";
+  std::ofstream(script) << R"(import sys, torch
+class LM(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(8, 16)
+        self.emb2 = torch.nn.Embedding(8, 16)
+        self.head = torch.nn.Linear(16, 8)
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        # causal and padding-invariant: running mean of the real tokens' embeddings
+        x = self.emb(ids) * mask.unsqueeze(-1)
+        h = x.cumsum(1) / mask.cumsum(1).clamp(min=1.0).unsqueeze(-1)
+        return self.head(torch.tanh(h + self.emb2(ids)))
+torch.manual_seed(0)
+m = torch.jit.script(LM())
+m.save(sys.argv[1])
+out = m(torch.tensor([[1, 2, 3]]), torch.ones(1, 3))
+open(sys.argv[2], "w").write(" ".join(repr(v) for v in out.flatten().tolist()))
+)";
+  const auto cmd = "/usr/bin/python3 " + script.string() + " " + model_path.string() + " " + expect_path.string();
+  REQUIRE(std::system(cmd.c_str()) == 0);
+  auto lm = models::torchscript_lm::load(model_path.string(), 8);
+  {
+    torch::NoGradGuard ng;
+    const auto out = lm.logits(torch::tensor({{1L, 2L, 3L}}), torch::ones({1, 3})).flatten();
+    std::ifstream in(expect_path);
+    std::vector<float> expect;
+    for (float v; in >> v;) expect.push_back(v);
+    REQUIRE(static_cast<std::int64_t>(expect.size()) == out.numel());
+    CHECK((out - torch::tensor(expect)).abs().max().item<double>() <= 1e-5);
+    // sampler through the prefix cache; replay through the full forward agrees
+    const auto b = sample_tokens(lm, ragged_prompts(), 2, {.max_new_tokens = 4});
+    const auto lp = models::completion_logprob(lm, b, 1.0, false).first * b.completion_mask;
+    CHECK((lp - b.old_logp).abs().max().item<double>() <= 1e-5);
+  }
+  CHECK_THROWS_WITH(models::torchscript_lm::load((dir / "missing.pt").string(), 8), Catch::Contains("missing.pt"));
+  const auto before = lm.named_parameters().front().second.clone();
+  trainer<models::torchscript_lm, algo::grpo<>, count_target> t{
+      lm, count_target{}, {.algorithm = {.sampling = {.max_new_tokens = 4}}, .optim = {.lr = 1e-2}, .group_size = 4,
+                           .progress = false}};
+  double first = 0, last = 0;
+  const prompt_batch in{.tokens = {{2}, {3, 4}}};
+  for (int s = 0; s < 15; ++s) {
+    const auto st = t.step(in);
+    if (s < 3) first += st.reward_mean / 3;
+    if (s >= 12) last += st.reward_mean / 3;
+  }
+  CHECK_FALSE(torch::equal(before, t.models().policy.named_parameters().front().second));
+  CHECK(last > first);
+  fs::remove_all(dir);
+}
+
+TEST_CASE("dynamic padding: extra padding changes neither log-probs nor the loss", "[cpu][token][grpo]") {
+  torch::manual_seed(9);
+  algo::grpo<> g({.sampling = {.max_new_tokens = 5, .stop_tokens = {0}}});
+  auto ms = set_of(small_gpt());
+  const step_info info{0, 4};
+  auto b = g.sample(ms, ragged_prompts(), info);
+  g.advantage(ms, b, torch::rand({12}), info);
+  // the same batch with 3 more padding columns before the prompts and 4 after the completions
+  token_rollout wide = b;
+  wide.prompt_ids = torch::constant_pad_nd(b.prompt_ids, {3, 0}, 0);
+  wide.prompt_mask = torch::constant_pad_nd(b.prompt_mask, {3, 0}, 0);
+  for (auto* f : {&wide.completion_ids}) *f = torch::constant_pad_nd(*f, {0, 4}, 0);
+  for (auto* f : {&wide.completion_mask, &wide.old_logp, &wide.advantages}) *f = torch::constant_pad_nd(*f, {0, 4}, 0);
+  torch::NoGradGuard ng;
+  const auto T = b.completion_ids.size(1);
+  const auto narrow_lp = models::completion_logprob(ms.policy, b, 1.0, false).first * b.completion_mask;
+  const auto wide_lp = models::completion_logprob(ms.policy, wide, 1.0, false).first * wide.completion_mask;
+  CHECK((wide_lp.slice(1, 0, T) - narrow_lp).abs().max().item<double>() <= 1e-5);
+  const auto t = wide.trimmed();
+  CHECK(t.prompt_ids.size(1) == b.prompt_ids.size(1));
+  CHECK(t.completion_ids.size(1) <= T);
+  CHECK(g.loss(ms, wide, info).total.item<double>() == Approx(g.loss(ms, b, info).total.item<double>()).margin(1e-6));
 }
