@@ -2,7 +2,7 @@
 // GPT, with the KV cache and by recomputing the whole prefix at every step.
 // BM_grpo_step: one GRPO step through unirl::trainer (sample with the cache, reward, group
 // advantages, clipped loss, backward, AdamW) — the C++ half of grpo_step.py's comparison;
-// items_per_second is samples/s.
+// items_per_second is samples/s. All with one LibTorch thread (see main).
 #include <benchmark/benchmark.h>
 #include <torch/torch.h>
 
@@ -83,4 +83,13 @@ void BM_grpo_step(benchmark::State& state) {
 BENCHMARK(BM_grpo_step)->Unit(benchmark::kMillisecond)->MinTime(3.0);
 }  // namespace
 
-BENCHMARK_MAIN();
+// One LibTorch thread, as grpo_step.py uses on the Python side: these tensors are too small for
+// intra-op parallelism to pay, and a shared machine makes extra threads wait for cores.
+int main(int argc, char** argv) {
+  torch::set_num_threads(1);
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}

@@ -5,7 +5,7 @@ Same model (GPT: vocab 14, d_model 64, 2 layers, 4 heads, pre-norm, learned posi
 same batch (16 prompts of 6 tokens x group 8 = 128 samples, 5 new tokens at temperature 1), same
 reward (share of generated tokens equal to 1), group-normalised advantages (unbiased std,
 eps 1e-6), pi_old recomputed with the training forward, PPO clip 0.2 / 0.28, token-mean, AdamW
-lr 1e-4. Prints samples/s; with --cpp PATH also runs PATH (bench_token) for BM_grpo_step and
+lr 1e-4, one thread on both sides. Prints samples/s; with --cpp PATH also runs PATH (bench_token) for BM_grpo_step and
 prints both figures and their ratio.
 
     python3 benchmarks/token/grpo_step.py --cpp build/benchmarks/token/bench_token
@@ -135,7 +135,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cpp", help="path of bench_token, to run the unirl side too")
     ap.add_argument("--seconds", type=float, default=5.0)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (bench_token uses 1)")
     a = ap.parse_args()
+    torch.set_num_threads(a.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     py = python_samples_per_second(a.seconds)
     print(f"python  GRPO step: {py:9.1f} samples/s")

@@ -42,23 +42,24 @@ struct quickstart_options {
   double pretrain_lr = 2e-3;
   std::int64_t pretrain_batch = 64;
   std::int64_t pretrain_max_steps = 4000;
-  std::int64_t eval_every = 25;
+  std::int64_t eval_every = 25;      // pretraining steps between held-out evaluations
+  std::int64_t rl_eval_every = 250;  // GRPO steps between held-out evaluations
   double band_low = 0.20;             // stop pretraining once held-out accuracy is in the band
   double band_high = 0.40;
-  std::int64_t rl_steps = 150;
+  std::int64_t rl_steps = 2000;
   std::int64_t prompts_per_step = 16;
   std::int64_t group_size = 8;
   double rl_lr = 3e-4;
   double temperature = 1.0;
   double format_weight = 0.1;
   unirl::algo::advantage_kind advantage = unirl::algo::advantage_kind::dr_grpo;
-  double rl_seconds = 150;            // stop RL early after this many seconds (a loaded machine)
+  double rl_seconds = 200;            // stop RL early after this many seconds (a loaded machine)
   std::int64_t seed = 0;
   std::int64_t threads = 1;           // LibTorch intra-op threads (tiny tensors: 1 is fastest)
   std::string pretrained = "";        // weights file: loaded when it exists, else written after stage 1
 };
 BOOST_HANA_ADAPT_STRUCT(quickstart_options, max_operand, d_model, n_layer, n_head, heldout, pretrain_lr,
-                        pretrain_batch, pretrain_max_steps, eval_every, band_low, band_high, rl_steps,
+                        pretrain_batch, pretrain_max_steps, eval_every, rl_eval_every, band_low, band_high, rl_steps,
                         prompts_per_step, group_size, rl_lr, temperature, format_weight, advantage, rl_seconds, seed,
                         threads, pretrained);
 
@@ -225,6 +226,7 @@ int main(int argc, char** argv) try {
                                    .advantage = o.advantage,
                                    .sampling = t.sampling(o.temperature)},
                      .optim = {.lr = o.rl_lr},
+                     .schedule = {.kind = unirl::train::schedule_kind::cosine, .warmup_steps = 10, .min_lr_ratio = 0.1},
                      .group_size = o.group_size,
                      .seed = o.seed,
                      .metrics_path = (std::filesystem::path(out) / "metrics.jsonl").string(),
@@ -237,7 +239,14 @@ int main(int argc, char** argv) try {
   for (; rl_steps < o.rl_steps && since(t_rl) < o.rl_seconds; ++rl_steps) {
     std::vector<problem> ps;
     for (std::int64_t i = 0; i < o.prompts_per_step; ++i) ps.push_back(t.draw_train());
-    trainer.step(t.prompts(ps));
+    const auto st = trainer.step(t.prompts(ps));
+    if ((rl_steps + 1) % o.rl_eval_every == 0) {
+      trainer.models().policy.train(false);
+      std::cerr << "\n";
+      std::cout << "  step " << std::setw(5) << rl_steps + 1 << "  reward " << std::setprecision(3) << st.reward_mean
+                << "  held-out accuracy " << std::setprecision(1) << 100 * accuracy(trainer.models().policy, t)
+                << "%\n" << std::flush;
+    }
   }
   const double rl_seconds = since(t_rl);
   trainer.models().policy.train(false);
@@ -251,7 +260,7 @@ int main(int argc, char** argv) try {
   const auto metrics = (std::filesystem::path(out) / "metrics.jsonl").string();
   try {
     unirl::train::plot_metrics(metrics, (std::filesystem::path(out) / "reward_curve.png").string(),
-                               {"reward_mean", "reward/exact_answer", "kl"});
+                               {"reward_mean", "reward/exact_answer", "entropy"});
   } catch (const unirl::error& e) {
     std::cout << "no reward curve image: " << e.what() << "\n";
   }

@@ -148,6 +148,14 @@ TEST_CASE("replaying a stored trajectory reproduces its log-probs exactly", "[fl
         {1, 4, 4});
     check_replay_exact(sde::ddim(o), ddpm, cond);
   }
+  SECTION("a video model over (B, F, C, H, W)") {
+    models::video_flow_model<models::temporal_velocity_net> video(
+        models::temporal_velocity_net(models::flow_net_options{.channels = 1, .num_classes = 10, .hidden = 8,
+                                                               .depth = 1, .embed_dim = 8}),
+        {3, 1, 4, 4});
+    check_replay_exact(sde::flow_grpo(o), video, cond);
+    check_replay_exact(sde::dance(o), video, cond);
+  }
   SECTION("a minibatch selected from the batch replays its own rows") {
     sde::flow_grpo s(o);
     const auto b = rollout::sample_trajectory(s, model, cond);
