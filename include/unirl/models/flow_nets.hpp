@@ -4,7 +4,8 @@
 /// conditioned on an embedding) with a null condition for classifier-free guidance:
 /// - `mlp_velocity_net`: a residual MLP over the flattened sample (8x8 digits train in seconds);
 /// - `conv_velocity_net`: a FiLM-conditioned residual conv net for (C, H, W) images (8x8, 16x16);
-/// - `temporal_velocity_net`: factorised space / time convolutions for clips (F, C, H, W).
+/// - `temporal_velocity_net`: factorised space / time convolutions for clips (F, C, H, W);
+/// - `clip_unet_velocity_net`: a small U-Net over short clips with the frames stacked as channels.
 ///
 /// ```cpp
 /// using namespace unirl::models;
@@ -255,6 +256,102 @@ class temporal_velocity_netImpl : public torch::nn::Cloneable<temporal_velocity_
 };
 TORCH_MODULE(temporal_velocity_net);
 
+namespace detail {
+/// A FiLM-conditioned residual block of two 3x3 convolutions:
+/// `h + conv2(silu(norm2(conv1(silu(norm1(h) * (1 + scale(e)) + shift(e))))))`.
+class film_res_blockImpl : public torch::nn::Cloneable<film_res_blockImpl> {
+ public:
+  film_res_blockImpl(std::int64_t channels, std::int64_t embed_dim) : ch_(channels), embed_dim_(embed_dim) { reset(); }
+
+  void reset() override {
+    using torch::nn::Conv2dOptions;
+    const auto groups = ch_ % 8 == 0 ? 8 : 1;
+    norm1_ = register_module("norm1", torch::nn::GroupNorm(torch::nn::GroupNormOptions(groups, ch_)));
+    film_ = register_module("film", torch::nn::Linear(embed_dim_, 2 * ch_));
+    conv1_ = register_module("conv1", torch::nn::Conv2d(Conv2dOptions(ch_, ch_, 3).padding(1)));
+    norm2_ = register_module("norm2", torch::nn::GroupNorm(torch::nn::GroupNormOptions(groups, ch_)));
+    conv2_ = register_module("conv2", torch::nn::Conv2d(Conv2dOptions(ch_, ch_, 3).padding(1)));
+  }
+
+  torch::Tensor forward(const torch::Tensor& h, const torch::Tensor& e) {
+    const auto ss = film_(e).unsqueeze(-1).unsqueeze(-1).chunk(2, 1);
+    const auto r = conv1_(torch::silu(norm1_(h) * (1 + ss[0]) + ss[1]));
+    return h + conv2_(torch::silu(norm2_(r)));
+  }
+
+ private:
+  std::int64_t ch_, embed_dim_;
+  torch::nn::GroupNorm norm1_{nullptr}, norm2_{nullptr};
+  torch::nn::Linear film_{nullptr};
+  torch::nn::Conv2d conv1_{nullptr}, conv2_{nullptr};
+};
+TORCH_MODULE(film_res_block);
+}  // namespace detail
+
+/// Velocity net for short clips (B, F, C, H, W) with the frames stacked as channels: a small
+/// two-level U-Net (H x W, H/2 x W/2 with 2 * hidden channels, H/4 x W/4 with `depth` blocks)
+/// of FiLM residual blocks, so every convolution mixes all frames (cheap for a few frames) and
+/// the bottleneck sees the whole canvas. `shape` is the clip shape (F, C, H, W), H and W
+/// divisible by 4.
+/// ```cpp
+/// clip_unet_velocity_net net({.shape = {4, 1, 16, 16}, .num_classes = 10, .hidden = 32, .depth = 2});
+/// video_flow_model<clip_unet_velocity_net> m(net, {4, 1, 16, 16});
+/// ```
+class clip_unet_velocity_netImpl : public torch::nn::Cloneable<clip_unet_velocity_netImpl> {
+ public:
+  explicit clip_unet_velocity_netImpl(const flow_net_options& o) : o_(o) { reset(); }
+
+  void reset() override {
+    using torch::nn::Conv2dOptions;
+    using torch::nn::ConvTranspose2dOptions;
+    options::validate(o_);
+    UNIRL_CHECK(o_.shape.size() == 4 && o_.shape[2] % 4 == 0 && o_.shape[3] % 4 == 0,
+                "clip_unet_velocity_net: shape ", c10::IntArrayRef(o_.shape),
+                "; expected the clip shape (F, C, H, W) with H and W divisible by 4");
+    const auto fc = o_.shape[0] * o_.shape[1], ch = o_.hidden, e = o_.embed_dim;
+    embed_ = register_module("embed", condition_embedding(o_));
+    input_ = register_module("input", torch::nn::Conv2d(Conv2dOptions(fc, ch, 3).padding(1)));
+    down1_ = register_module("down1", torch::nn::Conv2d(Conv2dOptions(ch, 2 * ch, 4).stride(2).padding(1)));
+    enc_ = register_module("enc", detail::film_res_block(2 * ch, e));
+    down2_ = register_module("down2", torch::nn::Conv2d(Conv2dOptions(2 * ch, 2 * ch, 4).stride(2).padding(1)));
+    mid_ = register_module("mid", torch::nn::ModuleList());
+    for (std::int64_t i = 0; i < o_.depth; ++i) mid_->push_back(detail::film_res_block(2 * ch, e));
+    up2_ = register_module("up2", torch::nn::ConvTranspose2d(ConvTranspose2dOptions(2 * ch, 2 * ch, 4).stride(2).padding(1)));
+    dec_ = register_module("dec", detail::film_res_block(2 * ch, e));
+    up1_ = register_module("up1", torch::nn::ConvTranspose2d(ConvTranspose2dOptions(2 * ch, ch, 4).stride(2).padding(1)));
+    output_ = register_module("output", torch::nn::Conv2d(Conv2dOptions(2 * ch, fc, 3).padding(1)));
+    torch::NoGradGuard ng;
+    output_->weight.mul_(0.1);
+    output_->bias.zero_();
+  }
+
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& cond) {
+    UNIRL_CHECK(x.dim() == 5 && x.size(1) == o_.shape[0] && x.size(2) == o_.shape[1] && x.size(3) == o_.shape[2] &&
+                    x.size(4) == o_.shape[3],
+                "clip_unet_velocity_net: input sizes ", x.sizes(), "; expected (B, ", c10::IntArrayRef(o_.shape), ")");
+    const auto b = x.size(0);
+    const auto e = embed_->forward(t, cond);
+    const auto h0 = torch::silu(input_(x.reshape({b, -1, x.size(3), x.size(4)})));  // (B, ch, H, W)
+    const auto h1 = enc_->forward(down1_(h0), e);                                     // (B, 2ch, H/2, W/2)
+    auto h = down2_(h1);                                                               // (B, 2ch, H/4, W/4)
+    for (std::int64_t i = 0; i < o_.depth; ++i) h = mid_[i]->as<detail::film_res_block>()->forward(h, e);
+    h = dec_->forward(up2_(h) + h1, e);
+    h = torch::silu(up1_(h));
+    return output_(torch::cat({h, h0}, 1)).reshape(x.sizes());
+  }
+
+  torch::Tensor null_condition(const torch::Tensor& cond) const { return embed_->null_condition(cond); }
+
+ private:
+  flow_net_options o_;
+  condition_embedding embed_{nullptr};
+  torch::nn::Conv2d input_{nullptr}, down1_{nullptr}, down2_{nullptr}, output_{nullptr};
+  torch::nn::ConvTranspose2d up2_{nullptr}, up1_{nullptr};
+  detail::film_res_block enc_{nullptr}, dec_{nullptr};
+  torch::nn::ModuleList mid_{nullptr};
+};
+TORCH_MODULE(clip_unet_velocity_net);
+
 static_assert(ConditionalNet<mlp_velocity_net>);
 static_assert(ConditionalNet<conv_velocity_net>);
 static_assert(ConditionalNet<temporal_velocity_net>);
@@ -262,6 +359,8 @@ static_assert(ModelAdapter<flow_model<mlp_velocity_net>>);
 static_assert(VelocityModel<flow_model<mlp_velocity_net>>);
 static_assert(ModelAdapter<video_flow_model<temporal_velocity_net>>);
 static_assert(VelocityModel<video_flow_model<temporal_velocity_net>>);
+static_assert(ConditionalNet<clip_unet_velocity_net>);
+static_assert(ModelAdapter<video_flow_model<clip_unet_velocity_net>>);
 static_assert(ModelAdapter<ddpm_model<conv_velocity_net>>);
 static_assert(NoiseModel<ddpm_model<conv_velocity_net>>);
 
