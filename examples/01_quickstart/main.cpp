@@ -44,7 +44,7 @@ struct quickstart_options {
   std::int64_t pretrain_max_steps = 4000;
   std::int64_t eval_every = 25;      // pretraining steps between held-out evaluations
   std::int64_t rl_eval_every = 250;  // GRPO steps between held-out evaluations
-  double band_low = 0.20;             // stop pretraining once held-out accuracy is in the band
+  double band_low = 0.25;             // stop pretraining once held-out accuracy is in the band
   double band_high = 0.40;
   std::int64_t rl_steps = 2000;
   std::int64_t prompts_per_step = 16;

@@ -3,7 +3,7 @@
 // value 0.5, max grad norm 0.5, Adam (eps 1e-5) at 2.5e-4 annealed linearly to 0, two tanh
 // layers of 64 with orthogonal init. CleanRL reports an episodic return of 490 +- 6 at 500k steps.
 //
-//   cartpole_ppo [--total-steps 500000] [--seed 1] [--out runs/cartpole_ppo] [key=value ...]
+//   cartpole_ppo [--total-steps 500000] [--seed 2] [--out runs/cartpole_ppo] [key=value ...]
 //
 // key=value arguments override trainer options (e.g. optim.lr=3e-4, algorithm.ent_coef=0).
 // Writes <out>/summary.json: final_mean_return (mean of the last 20 finished episodes),
@@ -30,7 +30,7 @@ using policy_t = unirl::models::categorical_actor_critic;
 using trainer_t = unirl::trainer<policy_t, unirl::algo::ppo<>, unirl::rewards::environment_reward>;
 
 int main(int argc, char** argv) try {
-  std::int64_t total_env_steps = 500000, seed = 1, num_envs = 4;
+  std::int64_t total_env_steps = 500000, seed = 2, num_envs = 4;
   std::string out = "runs/cartpole_ppo";
   trainer_t::options opts{
       .algorithm = {.clip_low = 0.2, .clip_high = 0.2, .value_clip = 0.2, .vf_coef = 0.5, .ent_coef = 0.01,

@@ -1,19 +1,23 @@
 // Video RL on the flow track: clips of a real 8x8 digit moving across a 16x16 canvas.
 //
-// 1. Clips (F = 5 frames, 2 pixels a frame) are made from the real digits: each moves right,
-//    left, down or up, the direction at random.
-// 2. A small video flow model, conditioned on the digit's class, is pretrained by flow matching
-//    on these clips (cached), with the convolutional temporal_velocity_net (space and time
-//    convolutions; a residual MLP over the whole clip did not learn these clips at all).
-// 3. It is RL-fine-tuned — the same samplers and algorithms as for images, on (B, F, C, H, W) —
+// 1. Clips (F = 4 frames, 2 pixels a frame, a 6-pixel sweep through the centre) are made from
+//    the real digits: each moves right, left, down or up, the direction at random — so a
+//    quarter of the data moves right.
+// 2. A digit classifier is trained on the digits (the per-frame check below).
+// 3. A small video flow model conditioned on the digit's class (not on the direction) is
+//    pretrained by flow matching on these clips (cached): `clip_unet_velocity_net`, a two-level
+//    U-Net with the frames stacked as channels, so every convolution mixes all frames.
+// 4. It is RL-fine-tuned — the same samplers and algorithms as for images, on (B, F, C, H, W) —
 //    for the reward "the digit moves to the right": the horizontal displacement of the clip's
-//    centre of mass from the first to the last frame, in canvas widths (about +0.5 for a full
-//    rightward sweep, -0.5 leftward, 0 vertical).
-// 4. Before / after: the reward and the share of rightward clips on fixed noise, the path KL to
-//    the pretrained model, a frame-to-frame consistency figure (mean change of total intensity),
-//    strips of frames as PNGs and summary.json.
+//    centre of mass from the first to the last frame, in units of the full sweep (+1 for a
+//    rightward sweep, -1 leftward, 0 vertical; about 0 on average for the base model, whose
+//    clips go every way).
+// 5. Before / after, on fixed noise: the reward, the share of rightward clips, the path KL to
+//    the pretrained model, and two "still digits" checks on the frames (8x8 crops around each
+//    frame's centre of mass): the classifier's accuracy for the requested class and the Fréchet
+//    distance of its features to the real digits; strips of frames as PNGs and summary.json.
 //
-//   video_flow [--algorithm grpo|dppo|ram|nft] [--out DIR] [key=value ...]    e.g. steps=40
+//   video_flow [--algorithm grpo|dppo|ram|nft] [--out DIR] [key=value ...]    e.g. steps=60
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -28,6 +32,7 @@
 #include <unirl/algorithms/flow_dppo.hpp>
 #include <unirl/algorithms/flow_grpo.hpp>
 #include <unirl/algorithms/ram.hpp>
+#include <unirl/eval/frechet.hpp>
 #include <unirl/models/flow.hpp>
 #include <unirl/models/flow_nets.hpp>
 #include <unirl/rollout/flow_samplers.hpp>
@@ -38,61 +43,86 @@
 
 namespace {
 
-using video_net = unirl::models::temporal_velocity_net;
+using video_net = unirl::models::clip_unet_velocity_net;
 using video_t = unirl::models::video_flow_model<video_net>;
-constexpr std::int64_t kFrames = 5, kCanvas = 16, kSpeed = 2;
+constexpr std::int64_t kFrames = 4, kCanvas = 16, kSpeed = 2, kStart = 1;
+constexpr double kSweep = static_cast<double>((kFrames - 1) * kSpeed);  // pixels from the first to the last frame
 
 struct example_options {
-  std::int64_t steps = 40;             // RL trainer steps
+  std::int64_t steps = 60;             // RL trainer steps
   std::int64_t conditions = 4;         // digit classes per step
   std::int64_t group_size = 8;
+  std::int64_t minibatches = 2;        // optimizer steps per rollout batch
   std::int64_t sampler_steps = 8;
   double lr = 2e-4;
+  double kl_beta = 0.01;               // Flow-GRPO / Flow-DPPO: KL-to-reference coefficient
   double multiplier = 1.0;             // RAM: reward multiplier m
-  std::int64_t pretrain_iters = 1000;
-  std::int64_t hidden = 16;
+  std::int64_t pretrain_iters = 2500;  // flow-matching iterations of 64 clips (cached)
+  std::int64_t hidden = 32;
   std::int64_t seed = 1;
 };
 
-/// (N, F, 1, 16, 16) clips in [-1, 1] of the given digits moving in direction `dir`
-/// (0 right, 1 left, 2 down, 3 up), starting at a random offset across the motion.
-torch::Tensor make_clips(const torch::Tensor& digits /* (N, 1, 8, 8) in [0, 1] */, const torch::Tensor& dir) {
+/// (N, F, 1, 16, 16) clips in [-1, 1] of the digits (N, 1, 8, 8) in [-1, 1] moving in direction
+/// `dir` (0 right, 1 left, 2 down, 3 up) through the centre of the canvas.
+torch::Tensor make_clips(const torch::Tensor& digits, const torch::Tensor& dir) {
   const auto n = digits.size(0);
-  auto clips = torch::zeros({n, kFrames, 1, kCanvas, kCanvas});
-  const auto across = torch::randint(0, kCanvas - 8 + 1, {n}, torch::kInt64);
-  for (std::int64_t i = 0; i < n; ++i) {
-    const auto d = dir[i].item<std::int64_t>();
-    const auto o = across[i].item<std::int64_t>();
+  auto clips = torch::full({n, kFrames, 1, kCanvas, kCanvas}, -1.0);
+  const std::int64_t across = (kCanvas - 8) / 2;
+  const auto d = dir.contiguous();
+  const auto* dp = d.data_ptr<std::int64_t>();
+  for (std::int64_t i = 0; i < n; ++i)
     for (std::int64_t f = 0; f < kFrames; ++f) {
-      const std::int64_t along = (d == 0 || d == 2) ? f * kSpeed : (kFrames - 1 - f) * kSpeed;
-      const std::int64_t x = d < 2 ? along : o, y = d < 2 ? o : along;
+      const std::int64_t step = (dp[i] == 0 || dp[i] == 2) ? f : kFrames - 1 - f;
+      const std::int64_t along = kStart + step * kSpeed;
+      const std::int64_t x = dp[i] < 2 ? along : across, y = dp[i] < 2 ? across : along;
       clips[i][f][0].slice(0, y, y + 8).slice(1, x, x + 8).copy_(digits[i][0]);
     }
-  }
-  return clips * 2 - 1;
+  return clips;
 }
 
-/// Horizontal centre of mass (B, F) of each frame, in canvas widths.
-torch::Tensor centre_x(const torch::Tensor& clips) {
+/// Centre of mass (B, F) of each frame along the width (`axis` 4) or the height (3), in pixels.
+torch::Tensor centre(const torch::Tensor& clips, std::int64_t axis) {
   const auto w = (clips.clamp(-1, 1) + 1).squeeze(2);  // (B, F, H, W), >= 0
-  const auto xs = torch::arange(kCanvas, torch::kFloat32) / static_cast<double>(kCanvas);
-  return (w.sum(2) * xs).sum(2) / (w.sum({2, 3}) + 1e-6);
+  const auto profile = w.sum(axis == 4 ? 2 : 3);        // (B, F, L)
+  const auto pos = torch::arange(kCanvas, torch::kFloat32);
+  return (profile * pos).sum(2) / (profile.sum(2) + 1e-6);
 }
 
-/// The reward: how far the digit travels to the right between the first and the last frame.
+/// The reward: how far the digit travels to the right between the first and the last frame,
+/// in units of the full sweep.
 struct rightward_motion {
   torch::Tensor operator()(const unirl::rollout::flow_rollout& b) {
-    const auto cx = centre_x(b.samples());
-    return cx.select(1, kFrames - 1) - cx.select(1, 0);
+    const auto cx = centre(b.samples(), 4);
+    return (cx.select(1, kFrames - 1) - cx.select(1, 0)) / kSweep;
   }
 };
 
+/// (B * F, 1, 8, 8) crops of every frame around its centre of mass: what the classifier sees.
+torch::Tensor frame_crops(const torch::Tensor& clips) {
+  const auto cx = centre(clips, 4), cy = centre(clips, 3);
+  const auto b = clips.size(0);
+  auto crops = torch::empty({b * kFrames, 1, 8, 8});
+  const auto c = clips.clamp(-1, 1);
+  for (std::int64_t i = 0; i < b; ++i)
+    for (std::int64_t f = 0; f < kFrames; ++f) {
+      const auto x = std::clamp<std::int64_t>(std::lround(cx[i][f].item<double>() - 3.5), 0, kCanvas - 8);
+      const auto y = std::clamp<std::int64_t>(std::lround(cy[i][f].item<double>() - 3.5), 0, kCanvas - 8);
+      crops[i * kFrames + f][0].copy_(c[i][f][0].slice(0, y, y + 8).slice(1, x, x + 8));
+    }
+  return crops;
+}
+
 struct evaluation {
-  double reward = 0, rightward = 0, kl = 0, consistency = 0;
-  torch::Tensor strip;  // (4 * F, 16, 16)
+  double reward = 0, rightward = 0, kl = 0, frame_accuracy = 0, frechet = 0, consistency = 0;
+  torch::Tensor strip;  // (10 * F, 16, 16): one clip per class
 };
 
-evaluation evaluate(video_t& policy, video_t& reference) {
+/// On 100 ODE clips from fixed noise (10 per class): reward, share of clips that sweep at least
+/// half way to the right, per-frame classifier accuracy and Fréchet distance, the mean relative
+/// change of total intensity between frames, and the path KL of the Flow-GRPO SDE (sum over
+/// elements and steps) from `policy` to `reference`.
+evaluation evaluate(video_t& policy, video_t& reference, examples::digit_classifier& clf,
+                    const torch::Tensor& real_features) {
   torch::NoGradGuard ng;
   namespace rl = unirl::rollout;
   evaluation e;
@@ -102,10 +132,14 @@ evaluation evaluate(video_t& policy, video_t& reference) {
   const auto b = rl::sample_trajectory(rl::ode::euler({.steps = 16}), policy, labels, noise);
   const auto r = rightward_motion{}(b);
   e.reward = r.mean().item<double>();
-  e.rightward = (r > 0.2).to(torch::kFloat64).mean().item<double>();
+  e.rightward = (r > 0.5).to(torch::kFloat64).mean().item<double>();
+  const auto crops = frame_crops(b.samples());
+  const auto pred = clf->forward(crops).argmax(1);
+  e.frame_accuracy = (pred == labels.repeat_interleave(kFrames)).to(torch::kFloat64).mean().item<double>();
+  e.frechet = unirl::eval::frechet_distance(clf->features(crops), real_features);
   const auto mass = (b.samples().clamp(-1, 1) + 1).sum({2, 3, 4});  // (B, F)
   e.consistency = ((mass.slice(1, 1) - mass.slice(1, 0, -1)).abs() / (mass.slice(1, 0, -1) + 1e-6)).mean().item<double>();
-  e.strip = b.samples().index_select(0, torch::tensor({0, 33, 66, 99}, torch::kInt64)).reshape({4 * kFrames, kCanvas, kCanvas});
+  e.strip = b.samples().index_select(0, torch::arange(0, 100, 10, torch::kInt64)).reshape({10 * kFrames, kCanvas, kCanvas});
   const rl::sde::flow_grpo sde({.steps = 8, .reduction = rl::logprob_reduction::sum});
   const auto path = rl::sample_trajectory(sde, policy, labels);
   torch::Tensor kl = torch::zeros({100});
@@ -119,34 +153,63 @@ evaluation evaluate(video_t& policy, video_t& reference) {
 
 template <class Algo>
 int run(const std::string& name, typename Algo::options algo, const example_options& opt, const std::string& root) {
+  const auto t_start = std::chrono::steady_clock::now();
   const std::string out = root + "/" + name;
   std::filesystem::create_directories(out);
-  const auto data = examples::load_digits(std::string(UNIRL_DATA_DIR) + "/digits.csv.gz");
+  auto data = examples::load_digits(std::string(UNIRL_DATA_DIR) + "/digits.csv.gz");
+  const auto images = data.images * 2 - 1;
 
+  // The per-frame check: a digit classifier on a fixed split.
+  torch::manual_seed(0);
+  const auto perm = torch::randperm(images.size(0), torch::kInt64);
+  const auto x = images.index_select(0, perm), y = data.labels.index_select(0, perm);
+  const std::int64_t n_train = 1500;
+  examples::digit_classifier clf;
+  const double accuracy = examples::train_classifier(clf, x.slice(0, 0, n_train), y.slice(0, 0, n_train),
+                                                     x.slice(0, n_train), y.slice(0, n_train));
+  std::cout << "classifier held-out accuracy: " << accuracy << "\n";
+  torch::Tensor real_features;
+  double real_frame_accuracy = 0;  // the per-frame check on real clips: its ceiling
+  {
+    torch::NoGradGuard ng;
+    real_features = clf->features(images);
+    const auto held_out = perm.slice(0, n_train, n_train + 100);
+    const auto crops = frame_crops(make_clips(images.index_select(0, held_out), torch::arange(100, torch::kInt64) % 4));
+    real_frame_accuracy = (clf->forward(crops).argmax(1) == data.labels.index_select(0, held_out).repeat_interleave(kFrames))
+                              .to(torch::kFloat64)
+                              .mean()
+                              .item<double>();
+    std::cout << "per-frame accuracy on real held-out clips: " << real_frame_accuracy << "\n";
+  }
+
+  // Pretraining (cached): class-conditional flow matching on clips, 10% unconditional.
   torch::manual_seed(static_cast<std::uint64_t>(opt.seed));
   const std::vector<std::int64_t> shape{kFrames, 1, kCanvas, kCanvas};
   video_net net(unirl::models::flow_net_options{
-      .channels = 1, .num_classes = 10, .hidden = opt.hidden, .depth = 2, .embed_dim = 32});
-  const std::string cache = root + "/pretrained_video_h" + std::to_string(opt.hidden) + ".pt";
+      .shape = shape, .channels = 1, .num_classes = 10, .hidden = opt.hidden, .depth = 2, .embed_dim = 64});
+  const std::string cache = root + "/pretrained_clip_unet_h" + std::to_string(opt.hidden) + "_i" +
+                            std::to_string(opt.pretrain_iters) + "_s" + std::to_string(opt.seed) + ".pt";
   double pretrain_seconds = 0;
   if (std::filesystem::exists(cache)) {
     torch::load(net, cache);
     std::cout << "loaded the pretrained video model from " << cache << "\n";
   } else {
     video_t m(net, shape);
-    torch::optim::AdamW o(net->parameters(), torch::optim::AdamWOptions(2e-3).weight_decay(0.0));
+    const double lr0 = 2e-3;
+    torch::optim::AdamW o(net->parameters(), torch::optim::AdamWOptions(lr0).weight_decay(0.0));
     const auto t0 = std::chrono::steady_clock::now();
     for (std::int64_t i = 0; i < opt.pretrain_iters; ++i) {
+      const double warm = std::min(1.0, static_cast<double>(i + 1) / 50.0);
       for (auto& g : o.param_groups())
         static_cast<torch::optim::AdamWOptions&>(g.options())
-            .lr(2e-3 * 0.5 * (1 + std::cos(M_PI * static_cast<double>(i) / static_cast<double>(opt.pretrain_iters))));
-      const auto idx = torch::randint(0, data.images.size(0), {64}, torch::kInt64);
-      const auto clips = make_clips(data.images.index_select(0, idx), torch::randint(0, 4, {64}, torch::kInt64));
+            .lr(lr0 * warm * 0.5 * (1 + std::cos(M_PI * static_cast<double>(i) / static_cast<double>(opt.pretrain_iters))));
+      const auto idx = torch::randint(0, images.size(0), {64}, torch::kInt64);
+      const auto clips = make_clips(images.index_select(0, idx), torch::randint(0, 4, {64}, torch::kInt64));
       const auto loss = m.flow_matching_loss(clips, data.labels.index_select(0, idx), 0.1);
       o.zero_grad();
       loss.backward();
       o.step();
-      if (i % 250 == 0) std::cout << "pretrain " << i << " loss " << loss.item<double>() << std::endl;
+      if (i % 100 == 0) std::cout << "pretrain " << i << " loss " << loss.item<double>() << std::endl;
     }
     pretrain_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     torch::save(net, cache);
@@ -158,6 +221,7 @@ int run(const std::string& name, typename Algo::options algo, const example_opti
                                     .optim = {.lr = opt.lr},
                                     .clip = {.max_grad_norm = 1.0},
                                     .group_size = opt.group_size,
+                                    .minibatches = opt.minibatches,
                                     .seed = opt.seed,
                                     .metrics_path = out + "/metrics.jsonl",
                                     .progress = true,
@@ -165,34 +229,45 @@ int run(const std::string& name, typename Algo::options algo, const example_opti
   std::filesystem::remove(topts.metrics_path);
   trainer_t t(video_t(net, shape), rightward_motion{}, topts);
   video_t reference = t.models().policy.clone();
-  const auto before = evaluate(t.models().policy, reference);
-  std::cout << "before: reward " << before.reward << "  rightward " << before.rightward << "\n";
+  const auto before = evaluate(t.models().policy, reference, clf, real_features);
+  std::cout << "before: reward " << before.reward << "  rightward " << before.rightward << "  frame accuracy "
+            << before.frame_accuracy << "  frechet " << before.frechet << "\n";
 
   const auto start = std::chrono::steady_clock::now();
   for (std::int64_t s = 0; s < opt.steps; ++s)
     t.step(torch::randperm(10, torch::kInt64).slice(0, 0, std::min<std::int64_t>(opt.conditions, 10)));
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  const auto after = evaluate(t.models().policy, reference);
-  std::cout << "\nafter:  reward " << after.reward << "  rightward " << after.rightward << "  kl " << after.kl
-            << "  (" << opt.steps << " steps, " << seconds << " s)\n";
+  const auto after = evaluate(t.models().policy, reference, clf, real_features);
+  const double total = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
+  std::cout << "\nafter:  reward " << after.reward << "  rightward " << after.rightward << "  frame accuracy "
+            << after.frame_accuracy << "  frechet " << after.frechet << "  kl " << after.kl << "  (" << opt.steps
+            << " steps, " << seconds << " s; " << total << " s in all)\n";
 
-  examples::write_grid_png(out + "/strip_before.png", before.strip, 4, kFrames, 6);
-  examples::write_grid_png(out + "/strip_after.png", after.strip, 4, kFrames, 6);
+  examples::write_grid_png(out + "/strip_before.png", before.strip, 10, kFrames, 3);
+  examples::write_grid_png(out + "/strip_after.png", after.strip, 10, kFrames, 3);
   unirl::train::plot_metrics(topts.metrics_path, out + "/reward_curve.png", {"reward_mean", "kl"});
-  nlohmann::json summary{{"algorithm", name},
-                         {"reward", "horizontal displacement of the centre of mass, first to last frame (canvas widths)"},
-                         {"reward_before", before.reward},
-                         {"reward_after", after.reward},
-                         {"rightward_share_before", before.rightward},
-                         {"rightward_share_after", after.rightward},
-                         {"kl_to_reference", after.kl},
-                         {"intensity_change_before", before.consistency},
-                         {"intensity_change_after", after.consistency},
-                         {"steps", opt.steps},
-                         {"seconds", seconds},
-                         {"pretrain_seconds", pretrain_seconds},
-                         {"clip_shape", shape},
-                         {"algorithm_options", unirl::options::to_json(algo)}};
+  nlohmann::json summary{
+      {"algorithm", name},
+      {"reward", "horizontal displacement of the centre of mass, first to last frame, in full sweeps (6 pixels)"},
+      {"reward_before", before.reward},
+      {"reward_after", after.reward},
+      {"rightward_share_before", before.rightward},
+      {"rightward_share_after", after.rightward},
+      {"kl_to_reference", after.kl},
+      {"frame_accuracy_before", before.frame_accuracy},
+      {"frame_accuracy_after", after.frame_accuracy},
+      {"frame_frechet_before", before.frechet},
+      {"frame_frechet_after", after.frechet},
+      {"intensity_change_before", before.consistency},
+      {"intensity_change_after", after.consistency},
+      {"classifier_accuracy", accuracy},
+      {"frame_accuracy_real_clips", real_frame_accuracy},
+      {"steps", opt.steps},
+      {"seconds", seconds},
+      {"pretrain_seconds", pretrain_seconds},
+      {"total_seconds", total},
+      {"clip_shape", shape},
+      {"algorithm_options", unirl::options::to_json(algo)}};
   std::ofstream(out + "/summary.json") << summary.dump(2) << "\n";
   std::cout << "wrote " << out << "/{summary.json, metrics.jsonl, reward_curve.png, strip_before.png, strip_after.png}\n";
   return 0;
@@ -200,8 +275,8 @@ int run(const std::string& name, typename Algo::options algo, const example_opti
 
 }  // namespace
 
-BOOST_HANA_ADAPT_STRUCT(example_options, steps, conditions, group_size, sampler_steps, lr, multiplier, pretrain_iters,
-                        hidden, seed);
+BOOST_HANA_ADAPT_STRUCT(example_options, steps, conditions, group_size, minibatches, sampler_steps, lr, kl_beta,
+                        multiplier, pretrain_iters, hidden, seed);
 
 int main(int argc, char** argv) try {
   example_options opt;
@@ -216,15 +291,16 @@ int main(int argc, char** argv) try {
   }
   std::cout << unirl::options::to_string(opt) << "\n";
   const unirl::rollout::flow_sampler_options sde{.steps = opt.sampler_steps};
+  namespace algo = unirl::algo;
   if (algorithm == "grpo")
-    return run<unirl::algo::flow_grpo<>>("flow_grpo", {.clip_range = 1e-3, .beta = 0.01, .sampler = sde}, opt, root);
+    return run<algo::flow_grpo<>>("flow_grpo", {.clip_range = 1e-3, .beta = opt.kl_beta, .sampler = sde}, opt, root);
   if (algorithm == "dppo")
-    return run<unirl::algo::flow_dppo<>>("flow_dppo", {.delta = 1e-5, .sampler = sde}, opt, root);
+    return run<algo::flow_dppo<>>("flow_dppo", {.delta = 1e-5, .beta = opt.kl_beta, .sampler = sde}, opt, root);
   if (algorithm == "ram")
-    return run<unirl::algo::ram<>>("ram", {.multiplier = opt.multiplier, .draws = 4, .sampler = sde}, opt, root);
+    return run<algo::ram<>>("ram", {.multiplier = opt.multiplier, .draws = 4, .ema_decay = 0.9, .sampler = sde}, opt,
+                            root);
   if (algorithm == "nft")
-    return run<unirl::algo::diffusion_nft<>>("diffusion_nft", {.beta = 1.0, .adv_clip_max = 1.0, .sampler = sde}, opt,
-                                             root);
+    return run<algo::diffusion_nft<>>("diffusion_nft", {.beta = 1.0, .adv_clip_max = 1.0, .sampler = sde}, opt, root);
   throw unirl::config_error("--algorithm", "value '" + algorithm + "': expected grpo, dppo, ram or nft");
 } catch (const std::exception& e) {
   std::cerr << e.what() << "\n";

@@ -155,6 +155,11 @@ TEST_CASE("replaying a stored trajectory reproduces its log-probs exactly", "[fl
         {3, 1, 4, 4});
     check_replay_exact(sde::flow_grpo(o), video, cond);
     check_replay_exact(sde::dance(o), video, cond);
+    models::video_flow_model<models::clip_unet_velocity_net> unet(
+        models::clip_unet_velocity_net(models::flow_net_options{.shape = {3, 1, 4, 4}, .num_classes = 10, .hidden = 8,
+                                                                .depth = 1, .embed_dim = 8}),
+        {3, 1, 4, 4});
+    check_replay_exact(sde::flow_grpo(o), unet, cond);
   }
   SECTION("a minibatch selected from the batch replays its own rows") {
     sde::flow_grpo s(o);
@@ -571,6 +576,24 @@ TEST_CASE("flow adapters: guidance, q_sample, shapes and errors", "[flow][cpu]")
   CHECK_THROWS_AS(models::video_flow_model<models::temporal_velocity_net>(
                       models::temporal_velocity_net(models::flow_net_options{.channels = 1}), {1, 8, 8}),
                   unirl::error);
+  // The clip U-Net stacks frames as channels: changing the first frame changes the last frame's output.
+  models::video_flow_model<models::clip_unet_velocity_net> unet(
+      models::clip_unet_velocity_net(models::flow_net_options{.shape = {4, 1, 8, 8}, .num_classes = 4, .hidden = 8,
+                                                              .depth = 1, .embed_dim = 8}),
+      {4, 1, 8, 8});
+  const auto clip4 = torch::randn({2, 4, 1, 8, 8});
+  const auto tt = torch::rand({2});
+  const auto labels = torch::tensor({0, 3}, torch::kInt64);
+  const auto v4 = unet.velocity(clip4, tt, labels);
+  CHECK(v4.sizes() == clip4.sizes());
+  auto clip4b = clip4.clone();
+  clip4b.select(1, 0).add_(1.0);
+  CHECK((unet.velocity(clip4b, tt, labels) - v4).select(1, 3).abs().max().item<double>() > 1e-6);
+  auto unet_copy = unet.clone();
+  unet_copy.parameters().back().add_(1.0);
+  CHECK(!torch::equal(unet_copy.parameters().back(), unet.parameters().back()));
+  CHECK_THROWS_AS(models::clip_unet_velocity_net(models::flow_net_options{.shape = {4, 1, 6, 6}}), unirl::error);
+  CHECK_THROWS_WITH(unet.velocity(torch::randn({2, 3, 1, 8, 8}), tt, labels), Catch::Contains("input has sizes"));
   auto copy = model.clone();
   copy.parameters()[0].add_(1.0);
   CHECK(!torch::equal(copy.parameters()[0], model.parameters()[0]));
