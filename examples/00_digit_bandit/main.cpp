@@ -38,13 +38,7 @@ static double accuracy(bandit::model& m, const torch::Tensor& x, const torch::Te
 
 int main(int argc, char** argv) try {
   example_options opt;
-  std::string out = "runs/digit_bandit";
-  auto rest = unirl::options::parse_command_line(opt, argc, argv);
-  for (std::size_t i = 0; i < rest.size(); ++i) {
-    if (rest[i] == "--out" && i + 1 < rest.size()) out = rest[++i];
-    else if (rest[i].starts_with("--out=")) out = rest[i].substr(6);
-    else throw unirl::config_error(rest[i], "unknown flag; expected --out DIR, --recipe FILE or key=value");
-  }
+  const std::string out = unirl::options::parse_command_line(opt, argc, argv, {{"out", "runs/digit_bandit"}})["out"];
   std::filesystem::create_directories(out);
   opt.trainer.total_steps = opt.steps;
   opt.trainer.metrics_path = out + "/metrics.jsonl";

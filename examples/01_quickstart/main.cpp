@@ -161,16 +161,12 @@ double pretrain_step(unirl::models::gpt& model, torch::optim::Optimizer& opt, ta
 
 int main(int argc, char** argv) try {
   quickstart_options o;
-  const auto rest = unirl::options::parse_command_line(o, argc, argv);
-  std::string out = "runs/quickstart";
-  for (std::size_t i = 0; i < rest.size(); ++i) {
-    if (rest[i] == "--out" && i + 1 < rest.size()) out = rest[++i];
-    else if (rest[i].starts_with("--out=")) out = rest[i].substr(6);
-    else if (rest[i] == "--help") {
-      std::cout << "usage: quickstart [--out DIR] [key=value ...]\n" << unirl::options::to_string(o);
-      return 0;
-    } else throw unirl::config_error(rest[i], "unknown flag; expected --out DIR or key=value");
+  auto flags = unirl::options::parse_command_line(o, argc, argv, {{"out", "runs/quickstart"}, {"help", "false"}});
+  if (flags["help"] == "true") {
+    std::cout << "usage: quickstart [--out DIR] [key=value ...]\n" << unirl::options::to_string(o);
+    return 0;
   }
+  const std::string out = flags["out"];
   std::filesystem::create_directories(out);
   torch::set_num_threads(static_cast<int>(std::max<std::int64_t>(1, o.threads)));
   torch::manual_seed(static_cast<std::uint64_t>(o.seed));

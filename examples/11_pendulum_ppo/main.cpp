@@ -63,17 +63,14 @@ int main(int argc, char** argv) try {
       .minibatches = 32,
       .progress = false,
   };
-  auto rest = unirl::options::parse_command_line(opts, argc, argv);
-  std::erase_if(rest, [](const std::string& a) { return a.starts_with("--preset="); });
-  for (std::size_t i = 0; i + 1 < rest.size(); i += 2) {
-    if (rest[i] == "--total-steps") total_env_steps = std::stoll(rest[i + 1]);
-    else if (rest[i] == "--seed") seed = std::stoll(rest[i + 1]);
-    else if (rest[i] == "--num-envs") num_envs = std::stoll(rest[i + 1]);
-    else if (rest[i] == "--out") out = rest[i + 1];
-    else if (rest[i] == "--preset") continue;
-    else throw unirl::config_error(rest[i], "unknown flag (expected --preset, --total-steps, --seed, --num-envs or --out)");
-  }
-  if (rest.size() % 2 != 0) throw unirl::config_error(rest.back(), "flag without a value");
+  auto flags = unirl::options::parse_command_line(
+      opts, argc, argv,
+      {{"preset", preset}, {"total-steps", std::to_string(total_env_steps)}, {"seed", std::to_string(seed)},
+       {"num-envs", std::to_string(num_envs)}, {"out", out}});
+  total_env_steps = unirl::options::parse_value<std::int64_t>("--total-steps", flags["total-steps"]);
+  seed = unirl::options::parse_value<std::int64_t>("--seed", flags["seed"]);
+  num_envs = unirl::options::parse_value<std::int64_t>("--num-envs", flags["num-envs"]);
+  out = flags["out"];
   torch::set_num_threads(1);
 
   const std::int64_t batch = num_envs * opts.algorithm.rollout_steps;

@@ -280,15 +280,8 @@ BOOST_HANA_ADAPT_STRUCT(example_options, steps, conditions, group_size, minibatc
 
 int main(int argc, char** argv) try {
   example_options opt;
-  std::string algorithm = "grpo", root = "runs/21_video_flow";
-  auto rest = unirl::options::parse_command_line(opt, argc, argv);
-  for (std::size_t i = 0; i < rest.size(); ++i) {
-    if (rest[i] == "--out" && i + 1 < rest.size()) root = rest[++i];
-    else if (rest[i].starts_with("--out=")) root = rest[i].substr(6);
-    else if (rest[i] == "--algorithm" && i + 1 < rest.size()) algorithm = rest[++i];
-    else if (rest[i].starts_with("--algorithm=")) algorithm = rest[i].substr(12);
-    else throw unirl::config_error(rest[i], "unknown flag; expected --algorithm NAME, --out DIR or key=value");
-  }
+  auto flags = unirl::options::parse_command_line(opt, argc, argv, {{"out", "runs/21_video_flow"}, {"algorithm", "grpo"}});
+  const std::string algorithm = flags["algorithm"], root = flags["out"];
   std::cout << unirl::options::to_string(opt) << "\n";
   const unirl::rollout::flow_sampler_options sde{.steps = opt.sampler_steps};
   namespace algo = unirl::algo;

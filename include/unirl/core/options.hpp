@@ -25,6 +25,7 @@
 #include <cstdint>
 #include <fstream>
 #include <limits>
+#include <map>
 #include <sstream>
 #include <string>
 #include <string_view>
@@ -410,6 +411,46 @@ std::vector<std::string> parse_command_line(T& opts, int argc, const char* const
   }
   apply_overrides(opts, overrides);
   return rest;
+}
+
+/// Parses `text` as a `T` (as an option value would be); a bad value is a `config_error` naming `key`.
+template <class T>
+T parse_value(const std::string& key, const std::string& text) {
+  T v{};
+  detail::parse_text(v, key, text);
+  return v;
+}
+
+/// Reads a program's command line: `--recipe FILE`, `key=value` overrides (then validated), and
+/// the program's own flags, declared with their defaults: `--name VALUE` or `--name=VALUE`; a
+/// flag whose default is "false" is a switch (`--name` alone sets it to "true"). Returns every
+/// declared flag's value. An undeclared flag, or one missing its value, is a `config_error`.
+/// ```cpp
+/// auto flags = unirl::options::parse_command_line(opts, argc, argv, {{"out", "runs/x"}, {"help", "false"}});
+/// std::filesystem::create_directories(flags["out"]);
+/// ```
+template <Reflectable T>
+std::map<std::string, std::string> parse_command_line(T& opts, int argc, const char* const* argv,
+                                                      std::map<std::string, std::string> flags) {
+  const auto rest = parse_command_line(opts, argc, argv);
+  auto known = [&] {
+    std::string k;
+    for (const auto& [name, def] : flags) k += "--" + name + (def == "false" ? "" : " VALUE") + ", ";
+    return k + "--recipe FILE or key=value";
+  };
+  for (std::size_t i = 0; i < rest.size(); ++i) {
+    const std::string& a = rest[i];
+    if (!a.starts_with("--")) throw config_error(a, "unexpected argument; expected " + known());
+    const auto eq = a.find('=');
+    const std::string name = a.substr(2, eq == std::string::npos ? std::string::npos : eq - 2);
+    const auto it = flags.find(name);
+    if (it == flags.end()) throw config_error("--" + name, "unknown flag; expected " + known());
+    if (eq != std::string::npos) it->second = a.substr(eq + 1);
+    else if (it->second == "false") it->second = "true";
+    else if (i + 1 < rest.size() && !rest[i + 1].starts_with("--")) it->second = rest[++i];
+    else throw config_error("--" + name, "flag without a value");
+  }
+  return flags;
 }
 
 /// Throws `config_error(key, ...)` naming the value unless `ok`.

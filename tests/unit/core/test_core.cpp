@@ -420,3 +420,26 @@ TEST_CASE("the trainer writes one JSON object per step", "[cpu][trainer][metrics
   }
   fs::remove_all(dir);
 }
+
+TEST_CASE("a program's command line: recipe, overrides and declared flags", "[cpu][options]") {
+  auto run = [](std::vector<std::string> args, outer_options& o) {
+    args.insert(args.begin(), "prog");
+    std::vector<const char*> argv;
+    for (auto& a : args) argv.push_back(a.c_str());
+    return unirl::options::parse_command_line(o, static_cast<int>(argv.size()), argv.data(),
+                                              {{"out", "runs/x"}, {"verbose", "false"}});
+  };
+  outer_options o;
+  auto flags = run({"--out", "dir1", "steps=5", "--verbose"}, o);
+  CHECK(flags["out"] == "dir1");
+  CHECK(flags["verbose"] == "true");
+  CHECK(o.steps == 5);
+  flags = run({"--out=dir2"}, o);
+  CHECK(flags["out"] == "dir2");
+  CHECK(flags["verbose"] == "false");
+  CHECK_THROWS_WITH(run({"--outt", "d"}, o),
+                    "option '--outt': unknown flag; expected --out VALUE, --verbose, --recipe FILE or key=value");
+  CHECK_THROWS_WITH(run({"--out"}, o), "option '--out': flag without a value");
+  CHECK_THROWS_WITH(unirl::options::parse_value<std::int64_t>("--seed", "x1"),
+                    "option '--seed': cannot read 'x1' as an integer");
+}
