@@ -98,23 +98,13 @@ int run(const std::string& name, typename Algo::options algo, const example_opti
   const std::string out = root + "/" + name;
   std::filesystem::create_directories(out);
 
-  // Data in [-1, 1]; a fixed split for the classifier's held-out accuracy.
-  auto data = examples::load_digits(std::string(UNIRL_DATA_DIR) + "/digits.csv.gz");
-  const auto images = data.images * 2 - 1;
-  torch::manual_seed(0);
-  const auto perm = torch::randperm(images.size(0), torch::kInt64);
-  const auto x = images.index_select(0, perm), y = data.labels.index_select(0, perm);
-  const std::int64_t n_train = 1500;
-
-  examples::digit_classifier clf;
-  const double accuracy = examples::train_classifier(clf, x.slice(0, 0, n_train), y.slice(0, 0, n_train),
-                                                     x.slice(0, n_train), y.slice(0, n_train));
-  std::cout << "classifier held-out accuracy: " << accuracy << "\n";
-  torch::Tensor real_features;
-  {
-    torch::NoGradGuard ng;
-    real_features = clf->features(images);
-  }
+  // Data in [-1, 1], and a classifier trained on a fixed split (the reward and the Fréchet features).
+  auto setup = examples::prepare_digits(std::string(UNIRL_DATA_DIR) + "/digits.csv.gz");
+  const auto& images = setup.images;
+  const auto& labels = setup.labels;
+  auto& clf = setup.clf;
+  const auto& real_features = setup.real_features;
+  const double accuracy = setup.accuracy;
 
   // Pretraining (cached): class-conditional flow matching, 10% unconditional for guidance.
   torch::manual_seed(static_cast<std::uint64_t>(opt.seed));
@@ -134,7 +124,7 @@ int run(const std::string& name, typename Algo::options algo, const example_opti
         static_cast<torch::optim::AdamWOptions&>(g.options())
             .lr(1e-3 * 0.5 * (1 + std::cos(M_PI * static_cast<double>(i) / static_cast<double>(opt.pretrain_iters))));
       const auto idx = torch::randint(0, images.size(0), {256}, torch::kInt64);
-      const auto loss = m.flow_matching_loss(images.index_select(0, idx), data.labels.index_select(0, idx), 0.1);
+      const auto loss = m.flow_matching_loss(images.index_select(0, idx), labels.index_select(0, idx), 0.1);
       opt_fm.zero_grad();
       loss.backward();
       opt_fm.step();

@@ -156,26 +156,21 @@ int run(const std::string& name, typename Algo::options algo, const example_opti
   const auto t_start = std::chrono::steady_clock::now();
   const std::string out = root + "/" + name;
   std::filesystem::create_directories(out);
-  auto data = examples::load_digits(std::string(UNIRL_DATA_DIR) + "/digits.csv.gz");
-  const auto images = data.images * 2 - 1;
-
   // The per-frame check: a digit classifier on a fixed split.
-  torch::manual_seed(0);
-  const auto perm = torch::randperm(images.size(0), torch::kInt64);
-  const auto x = images.index_select(0, perm), y = data.labels.index_select(0, perm);
-  const std::int64_t n_train = 1500;
-  examples::digit_classifier clf;
-  const double accuracy = examples::train_classifier(clf, x.slice(0, 0, n_train), y.slice(0, 0, n_train),
-                                                     x.slice(0, n_train), y.slice(0, n_train));
-  std::cout << "classifier held-out accuracy: " << accuracy << "\n";
-  torch::Tensor real_features;
+  auto setup = examples::prepare_digits(std::string(UNIRL_DATA_DIR) + "/digits.csv.gz");
+  const auto& images = setup.images;
+  const auto& labels = setup.labels;
+  const auto& perm = setup.perm;
+  const std::int64_t n_train = setup.n_train;
+  auto& clf = setup.clf;
+  const auto& real_features = setup.real_features;
+  const double accuracy = setup.accuracy;
   double real_frame_accuracy = 0;  // the per-frame check on real clips: its ceiling
   {
     torch::NoGradGuard ng;
-    real_features = clf->features(images);
     const auto held_out = perm.slice(0, n_train, n_train + 100);
     const auto crops = frame_crops(make_clips(images.index_select(0, held_out), torch::arange(100, torch::kInt64) % 4));
-    real_frame_accuracy = (clf->forward(crops).argmax(1) == data.labels.index_select(0, held_out).repeat_interleave(kFrames))
+    real_frame_accuracy = (clf->forward(crops).argmax(1) == labels.index_select(0, held_out).repeat_interleave(kFrames))
                               .to(torch::kFloat64)
                               .mean()
                               .item<double>();
@@ -205,7 +200,7 @@ int run(const std::string& name, typename Algo::options algo, const example_opti
             .lr(lr0 * warm * 0.5 * (1 + std::cos(M_PI * static_cast<double>(i) / static_cast<double>(opt.pretrain_iters))));
       const auto idx = torch::randint(0, images.size(0), {64}, torch::kInt64);
       const auto clips = make_clips(images.index_select(0, idx), torch::randint(0, 4, {64}, torch::kInt64));
-      const auto loss = m.flow_matching_loss(clips, data.labels.index_select(0, idx), 0.1);
+      const auto loss = m.flow_matching_loss(clips, labels.index_select(0, idx), 0.1);
       o.zero_grad();
       loss.backward();
       o.step();

@@ -4,6 +4,7 @@
 // samples. Include <unirl/train/plot.hpp> before this header: it brings stb_image_write.
 #include <cstdint>
 #include <filesystem>
+#include <iostream>
 #include <string>
 #include <vector>
 
@@ -11,6 +12,8 @@
 #include <torch/torch.h>
 
 #include <unirl/core/error.hpp>
+
+#include "common/digits.hpp"
 
 namespace examples {
 
@@ -49,6 +52,35 @@ inline double train_classifier(digit_classifier& clf, const torch::Tensor& x, co
   torch::NoGradGuard ng;
   clf->eval();
   return (clf->forward(test_x).argmax(1) == test_y).to(torch::kFloat64).mean().item<double>();
+}
+
+/// The digits in [-1, 1], a classifier trained on a fixed split (the first `n_train` of a seed-0
+/// permutation; the rest is held out), and the classifier's features of every real image — the
+/// reference statistics of the Fréchet distance.
+struct digit_setup {
+  torch::Tensor images;         // (N, 1, 8, 8) in [-1, 1]
+  torch::Tensor labels;         // (N,) int64
+  torch::Tensor perm;           // (N,) the split's permutation
+  std::int64_t n_train = 1500;  // perm[0, n_train) trains the classifier
+  digit_classifier clf;
+  double accuracy = 0.0;        // the classifier's held-out accuracy
+  torch::Tensor real_features;  // (N, F)
+};
+
+inline digit_setup prepare_digits(const std::string& csv_gz_path) {
+  digit_setup s;
+  const auto data = load_digits(csv_gz_path);
+  s.images = data.images * 2 - 1;
+  s.labels = data.labels;
+  torch::manual_seed(0);
+  s.perm = torch::randperm(s.images.size(0), torch::kInt64);
+  const auto x = s.images.index_select(0, s.perm), y = s.labels.index_select(0, s.perm);
+  s.accuracy = train_classifier(s.clf, x.slice(0, 0, s.n_train), y.slice(0, 0, s.n_train), x.slice(0, s.n_train),
+                                y.slice(0, s.n_train));
+  std::cout << "classifier held-out accuracy: " << s.accuracy << "\n";
+  torch::NoGradGuard ng;
+  s.real_features = s.clf->features(s.images);
+  return s;
 }
 
 /// Writes (rows * cols) gray images (N, H, W) in [-1, 1] as one PNG, each pixel `scale` pixels wide,
