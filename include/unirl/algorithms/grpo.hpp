@@ -4,7 +4,8 @@
 /// - GRPO (DeepSeekMath): group-normalised advantages, PPO clip, beta * k3 KL, `seq_mean_token_mean`;
 /// - DAPO: `clip_high = 0.28`, `agg = token_mean`, `kl_coef = 0`, `dynamic_sampling`, `overlong_buffer`;
 /// - Dr.GRPO: `advantage = dr_grpo`, `agg = seq_mean_token_sum_norm`;
-/// - RLOO and REINFORCE++ advantages; the DPPO token mask instead of the clip (`dppo_mask`).
+/// - RLOO and REINFORCE++ advantages; the DPPO token mask instead of the clip (`dppo_mask`);
+/// - `pack_sequences`: the update forward runs on the minibatch packed without padding (same loss).
 ///
 /// ```cpp
 /// using algo = unirl::algo::grpo<>;
@@ -79,6 +80,7 @@ struct grpo_options {
   std::int64_t overlong_buffer = 0;     // DAPO soft overlong penalty L_c; 0 = off
   double overlong_factor = 1.0;         // scale of that penalty
   bool recompute_old_logp = true;       // pi_old from the training forward (ratio exactly 1 on-policy)
+  bool pack_sequences = false;          // update forward on the minibatch packed into one row, no padding
   sampling_options sampling{};
 
   void validate(const std::string& p) const {
@@ -100,7 +102,8 @@ struct grpo_options {
 
 BOOST_HANA_ADAPT_STRUCT(unirl::algo::grpo_options, clip_low, clip_high, dual_clip, kl_coef, kl, agg, max_len,
                         advantage, unbiased_std, adv_eps, gamma, ent_coef, dppo_mask, dppo_delta, dynamic_sampling,
-                        max_resample_rounds, overlong_buffer, overlong_factor, recompute_old_logp, sampling);
+                        max_resample_rounds, overlong_buffer, overlong_factor, recompute_old_logp, pack_sequences,
+                        sampling);
 
 namespace unirl::algo {
 
@@ -231,7 +234,7 @@ class grpo {
     const token_rollout mb = minibatch.trimmed();  // dynamic padding: only the minibatch's own width
     const auto mask = mb.completion_mask;
     torch::Tensor logp, ent;
-    std::tie(logp, ent) = models::completion_logprob(models.policy, mb, o_.sampling.temperature, true);
+    std::tie(logp, ent) = models::update_logprob(models.policy, mb, o_.sampling.temperature, true, o_.pack_sequences);
     UNIRL_CHECK(mb.advantages.defined(), "grpo: the minibatch has no advantages; advantage() must run first");
     const auto pl = o_.dppo_mask ? dppo_mask_loss(logp, mb.old_logp, mb.advantages, o_.dppo_delta)
                                  : ppo_clip_loss(logp, mb.old_logp, mb.advantages, o_.clip_low, o_.clip_high,

@@ -58,6 +58,7 @@ struct ppo_options {
   std::int64_t max_len = 0;       // L_max for seq_mean_token_sum_norm; 0 = sampling.max_new_tokens
   std::int64_t rollout_steps = 128;  // env track: steps per environment per rollout
   sampling_options sampling{};    // token track: how completions are drawn
+  bool pack_sequences = false;    // token track: update forward packed into one row, no padding
 
   void validate(const std::string& prefix) const {
     options::require(clip_low >= 0.0 && clip_low < 1.0, prefix + "clip_low", clip_low, "in [0, 1)");
@@ -75,7 +76,8 @@ struct ppo_options {
 }  // namespace unirl::algo
 
 BOOST_HANA_ADAPT_STRUCT(unirl::algo::ppo_options, clip_low, clip_high, dual_clip, value_clip, vf_coef, ent_coef,
-                        kl_coef, kl, kl_in_reward, gamma, lambda, norm_adv, agg, max_len, rollout_steps, sampling);
+                        kl_coef, kl, kl_in_reward, gamma, lambda, norm_adv, agg, max_len, rollout_steps, sampling,
+                        pack_sequences);
 
 namespace unirl::algo {
 

@@ -3,6 +3,8 @@
 /// PPO on the token track: `ppo_track<token_track>` — completions from the KV-cache sampler, a
 /// token-level critic (`make_critic()` of the model), outcome reward on each completion's last
 /// token (minus `kl_coef` x KL per token when `kl_in_reward`), GAE along the completion.
+/// `pack_sequences` packs the update forward without padding (the policy, and the critic when it
+/// has `values_packed`); losses and gradients equal the padded path.
 ///
 /// ```cpp
 /// #include <unirl/algorithms/ppo_token.hpp>
@@ -31,6 +33,17 @@ torch::Tensor completion_values(const Critic& critic, const token_rollout& b) {
   const auto P = b.prompt_ids.size(1), T = b.completion_ids.size(1);
   const auto ids = b.full_ids(), mask = b.full_mask();
   return critic.values(ids.slice(1, 0, P + T - 1), mask.slice(1, 0, P + T - 1)).slice(1, P - 1, P + T - 1);
+}
+// The same values through sequence packing when the critic supports it (`pack_sequences`), else padded.
+template <class Critic>
+torch::Tensor update_values(const Critic& critic, const token_rollout& b, bool pack) {
+  if constexpr (PackedTokenCritic<Critic>) {
+    if (pack) {
+      const auto p = models::pack_rollout(b);
+      return p.unpack(p.predictors(critic.values_packed(p.ids, p.positions, p.segments)));
+    }
+  }
+  return completion_values(critic, b);
 }
 }  // namespace detail
 
@@ -79,11 +92,12 @@ struct ppo_track<token_track> {
     const token_rollout mb = minibatch.trimmed();  // dynamic padding
     UNIRL_CHECK(mb.advantages.defined() && mb.returns.defined(), "ppo: the minibatch has no advantages/returns");
     ppo_eval ev;
-    std::tie(ev.logp, ev.entropy) = models::completion_logprob(models.policy, mb, o.sampling.temperature, true);
+    std::tie(ev.logp, ev.entropy) =
+        models::update_logprob(models.policy, mb, o.sampling.temperature, true, o.pack_sequences);
     ev.old_logp = mb.old_logp;
     ev.advantages = mb.advantages;
     ev.mask = mb.completion_mask;
-    ev.values = detail::completion_values(*models.critic, mb);
+    ev.values = detail::update_values(*models.critic, mb, o.pack_sequences);
     ev.old_values = mb.values;
     ev.returns = mb.returns;
     ev.ref_logp = mb.ref_logp;

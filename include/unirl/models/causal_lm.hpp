@@ -6,6 +6,7 @@
 /// ```cpp
 /// auto logits = model.logits(ids, mask);                          // (B, L, V)
 /// auto [logp, ent] = unirl::models::token_logprob(logits, targets);  // (B, L) each
+/// auto [lp, e] = unirl::models::update_logprob(model, batch, 1.0, true, /*pack=*/true);  // packed, (B, T)
 /// ```
 #include <concepts>
 #include <cstdint>
@@ -39,10 +40,26 @@ concept CausalLM = ModelAdapter<M> && std::same_as<typename M::track, token_trac
       { m.vocab_size() } -> std::convertible_to<std::int64_t>;
     };
 
+/// A `CausalLM` that can run sequence packing (`pack_sequences`): several sequences concatenated
+/// into each row without padding. `logits_packed(ids, positions, segments)` takes (R, N) int64
+/// each — positions restart at 0 for every sequence, equal segment ids mark one sequence, and a
+/// token attends only to its own segment at or before it — and returns (R, N, V) equal to each
+/// sequence's logits computed alone.
+template <class M>
+concept PackedCausalLM = CausalLM<M> && requires(const M& m, const torch::Tensor& t) {
+  { m.logits_packed(t, t, t) } -> std::same_as<torch::Tensor>;
+};
+
 /// A value model for PPO on the token track: `values(ids, mask)` gives (B, L), V of each prefix.
 template <class C>
 concept TokenCritic = TrainableModule<C> && requires(const C& c, const torch::Tensor& t) {
   { c.values(t, t) } -> std::same_as<torch::Tensor>;
+};
+
+/// A `TokenCritic` that can run packed sequences: `values_packed(ids, positions, segments)` (R, N).
+template <class C>
+concept PackedTokenCritic = TokenCritic<C> && requires(const C& c, const torch::Tensor& t) {
+  { c.values_packed(t, t, t) } -> std::same_as<torch::Tensor>;
 };
 
 namespace models {
@@ -73,6 +90,83 @@ std::pair<torch::Tensor, torch::Tensor> completion_logprob(const M& model, const
   // Logits at position i predict token i+1: completion token t is predicted at P-1+t.
   const auto logits = model.logits(ids.slice(1, 0, P + T - 1), mask.slice(1, 0, P + T - 1)).slice(1, P - 1, P + T - 1);
   return token_logprob(logits, b.completion_ids, temperature, with_entropy);
+}
+
+/// A rollout's (prompt + completion) sequences packed into one row without padding: the real
+/// tokens of sample 0, then of sample 1, ... `length()` is the sum of the real lengths.
+///
+/// ```cpp
+/// auto p = unirl::models::pack_rollout(batch);
+/// auto logits = model.logits_packed(p.ids, p.positions, p.segments);   // (1, N, V)
+/// ```
+struct packed_rollout {
+  torch::Tensor ids;                 // (1, N) int64, the real tokens only
+  torch::Tensor positions;           // (1, N) int64, restarting at 0 for every sequence
+  torch::Tensor segments;            // (1, N) int64, the sample each token belongs to
+  torch::Tensor completion_index;    // (C,) int64, packed index of each real completion token, in (b, t) order
+  torch::Tensor completion_mask;     // (B, T) bool, where those tokens sit in the padded layout
+
+  std::int64_t length() const { return ids.size(1); }
+  /// Scatters per-completion-token values (C, ...) back to the padded layout (B, T, ...), 0 elsewhere.
+  torch::Tensor unpack(const torch::Tensor& per_token) const {
+    auto sizes = completion_mask.sizes().vec();
+    for (std::int64_t d = 1; d < per_token.dim(); ++d) sizes.push_back(per_token.size(d));
+    auto m = completion_mask;
+    for (std::int64_t d = 1; d < per_token.dim(); ++d) m = m.unsqueeze(-1);
+    return torch::zeros(sizes, per_token.options()).masked_scatter(m.expand(sizes), per_token);
+  }
+  /// Rows of a packed output (1, N, ...) that predict each completion token (the token before it): (C, ...).
+  torch::Tensor predictors(const torch::Tensor& packed_out) const {
+    return packed_out.select(0, 0).index_select(0, completion_index - 1);
+  }
+};
+
+/// Packs a rollout (see `packed_rollout`). Every sample needs at least one real prompt token.
+inline packed_rollout pack_rollout(const token_rollout& b) {
+  const auto P = b.prompt_ids.size(1);
+  const auto full_mask = b.full_mask() > 0;  // (B, P+T)
+  UNIRL_CHECK(b.size() == 0 || (b.prompt_mask.sum(1) > 0).all().item<bool>(),
+              "pack_rollout: every sample needs at least one real prompt token");
+  const auto dev = b.completion_ids.device();
+  const auto counts = full_mask.sum(1).to(torch::kInt64);  // (B,) real tokens per sample
+  packed_rollout p;
+  p.ids = b.full_ids().masked_select(full_mask).unsqueeze(0);
+  const auto N = p.ids.size(1);
+  const auto seg = torch::repeat_interleave(torch::arange(b.size(), torch::TensorOptions(torch::kInt64).device(dev)), counts);
+  const auto starts = counts.cumsum(0) - counts;
+  p.segments = seg.unsqueeze(0);
+  p.positions = (torch::arange(N, torch::TensorOptions(torch::kInt64).device(dev)) - starts.index_select(0, seg))
+                    .unsqueeze(0);
+  const auto flat_index = (full_mask.flatten().to(torch::kInt64).cumsum(0) - 1).view(full_mask.sizes());
+  p.completion_mask = b.completion_mask > 0;
+  p.completion_index = flat_index.slice(1, P).masked_select(p.completion_mask);
+  return p;
+}
+
+/// `completion_logprob` through sequence packing: the same (B, T) log-probabilities (and
+/// entropies) under the completion mask, 0 at padded slots, from one packed forward.
+template <PackedCausalLM M>
+std::pair<torch::Tensor, torch::Tensor> packed_completion_logprob(const M& model, const token_rollout& b,
+                                                                  double temperature = 1.0, bool with_entropy = true) {
+  const auto p = pack_rollout(b);
+  const auto logits = p.predictors(model.logits_packed(p.ids, p.positions, p.segments));  // (C, V)
+  auto [logp, ent] = token_logprob(logits, p.ids.select(0, 0).index_select(0, p.completion_index), temperature,
+                                   with_entropy);
+  return {p.unpack(logp), with_entropy ? p.unpack(ent) : torch::Tensor{}};
+}
+
+/// The update forward's log-probabilities: packed when `pack` (the `pack_sequences` option),
+/// padded otherwise. A model without `logits_packed` gives a clear error when `pack` is set.
+template <CausalLM M>
+std::pair<torch::Tensor, torch::Tensor> update_logprob(const M& model, const token_rollout& b, double temperature,
+                                                       bool with_entropy, bool pack) {
+  if (pack) {
+    if constexpr (PackedCausalLM<M>) return packed_completion_logprob(model, b, temperature, with_entropy);
+    else
+      UNIRL_CHECK(false, "pack_sequences = true: this model has no logits_packed(ids, positions, segments) ",
+                  "(it is not a PackedCausalLM); set pack_sequences = false");
+  }
+  return completion_logprob(model, b, temperature, with_entropy);
 }
 
 }  // namespace models

@@ -147,6 +147,33 @@ class gpt_net_impl : public torch::nn::Cloneable<gpt_net_impl> {
     return head(ln_f(x));
   }
 
+  /// Packed forward: several sequences concatenated into each row without padding.
+  /// ids (R, N) int64, positions (R, N) int64 (restarting at 0 for every sequence), segments
+  /// (R, N) int64 (equal ids = the same sequence) -> (R, N, out). A token attends only to the
+  /// tokens of its own segment at or before it (block-diagonal causal mask), so each sequence's
+  /// outputs equal those of `forward` on that sequence alone.
+  torch::Tensor forward_packed(const torch::Tensor& ids, const torch::Tensor& positions, const torch::Tensor& segments) {
+    UNIRL_CHECK(ids.dim() == 2, "gpt: packed ids must be (R, N) int64, got sizes ", ids.sizes());
+    UNIRL_CHECK(positions.sizes() == ids.sizes() && segments.sizes() == ids.sizes(), "gpt: packed positions sizes ",
+                positions.sizes(), " and segments sizes ", segments.sizes(), " must equal ids sizes ", ids.sizes());
+    const auto N = ids.size(1);
+    const auto pos_ids = positions.to(torch::kInt64);
+    UNIRL_CHECK(N == 0 || (pos_ids.min().item<std::int64_t>() >= 0 && pos_ids.max().item<std::int64_t>() < o_.max_len),
+                "gpt: packed positions must lie in [0, max_len = ", o_.max_len, ")");
+    const auto dev = ids.device();
+    const auto idx = torch::arange(N, torch::TensorOptions(torch::kInt64).device(dev));
+    const auto causal = (idx.unsqueeze(0) <= idx.unsqueeze(1)).unsqueeze(0);  // (1, N, N): key <= query
+    const auto seg = segments.to(torch::kInt64);
+    const auto same = seg.unsqueeze(2) == seg.unsqueeze(1);                   // (R, N, N)
+    const auto allowed = causal & same;
+    const auto bias = torch::zeros(allowed.sizes(), torch::TensorOptions(torch::kFloat).device(dev))
+                          .masked_fill(allowed.logical_not(), -std::numeric_limits<float>::infinity())
+                          .unsqueeze(1);  // (R, 1, N, N)
+    auto x = tok(ids) + pos(pos_ids);
+    for (const auto& b : *blocks) x = b->as<gpt_block_impl>()->forward(x, bias, nullptr, nullptr, 0);
+    return head(ln_f(x));
+  }
+
   /// An empty cache for `batch` sequences of up to `capacity` tokens.
   kv_cache make_cache(std::int64_t batch, std::int64_t capacity) const {
     UNIRL_CHECK(batch >= 0 && capacity >= 1, "gpt::make_cache: batch = ", batch, ", capacity = ", capacity,
@@ -224,6 +251,11 @@ struct gpt_critic : module_adapter<gpt_critic, gpt_net> {
   torch::Tensor values(const torch::Tensor& ids, const torch::Tensor& mask) const {
     return net_.ptr()->forward(ids, mask).squeeze(-1);
   }
+  /// V of every prefix of packed sequences (see `gpt_net_impl::forward_packed`): (R, N).
+  torch::Tensor values_packed(const torch::Tensor& ids, const torch::Tensor& positions,
+                              const torch::Tensor& segments) const {
+    return net_.ptr()->forward_packed(ids, positions, segments).squeeze(-1);
+  }
 };
 static_assert(TokenCritic<gpt_critic>);
 
@@ -235,6 +267,11 @@ struct gpt : module_adapter<gpt, gpt_net> {
   explicit gpt(const gpt_options& o) : module_adapter(gpt_net(o)) {}
 
   torch::Tensor logits(const torch::Tensor& ids, const torch::Tensor& mask) const { return net_.ptr()->forward(ids, mask); }
+  /// Packed logits (sequence packing, `pack_sequences`): ids, positions, segments (R, N) -> (R, N, V).
+  torch::Tensor logits_packed(const torch::Tensor& ids, const torch::Tensor& positions,
+                              const torch::Tensor& segments) const {
+    return net_.ptr()->forward_packed(ids, positions, segments);
+  }
   kv_cache make_cache(std::int64_t batch, std::int64_t capacity) const { return net_->make_cache(batch, capacity); }
   torch::Tensor logits_cached(const torch::Tensor& ids, const torch::Tensor& mask, kv_cache& c) const {
     return net_.ptr()->forward_cached(ids, mask, c);
@@ -256,6 +293,7 @@ struct gpt : module_adapter<gpt, gpt_net> {
   }
 };
 static_assert(CausalLM<gpt>);
+static_assert(PackedCausalLM<gpt>);
 static_assert(CriticFactory<gpt>);
 
 }  // namespace unirl::models

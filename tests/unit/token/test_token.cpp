@@ -348,3 +348,141 @@ TEST_CASE("dynamic padding: extra padding changes neither log-probs nor the loss
   CHECK(t.completion_ids.size(1) <= T);
   CHECK(g.loss(ms, wide, info).total.item<double>() == Approx(g.loss(ms, b, info).total.item<double>()).margin(1e-6));
 }
+
+namespace {
+// Four samples whose responses have very different lengths (1, 12, 3, 7 tokens) after ragged
+// prompts; old / reference log-probs moved off the policy so clip and KL matter.
+token_rollout very_ragged_rollout(const models::gpt& m) {
+  token_rollout b;
+  std::tie(b.prompt_ids, b.prompt_mask) =
+      pad_prompts(prompt_batch{.tokens = {{1, 2, 3}, {4}, {5, 6}, {7, 1, 2, 3}}, .pad_id = 0}, 1);
+  const std::vector<std::int64_t> len{1, 12, 3, 7};
+  const std::int64_t T = 12;
+  b.completion_ids = torch::randint(1, 8, {4, T}, torch::kInt64);
+  b.completion_mask = torch::zeros({4, T});
+  for (std::size_t i = 0; i < len.size(); ++i) b.completion_mask[static_cast<std::int64_t>(i)].slice(0, 0, len[i]).fill_(1.0);
+  b.completion_ids = b.completion_ids * b.completion_mask.to(torch::kInt64);  // pad id 0 after the end
+  b.prompt_index = torch::arange(4, torch::kInt64);
+  torch::NoGradGuard ng;
+  const auto lp = models::completion_logprob(m, b, 1.0, false).first;
+  b.old_logp = (lp + 0.1 * torch::randn_like(lp)) * b.completion_mask;
+  b.ref_logp = (lp + 0.2 * torch::randn_like(lp)) * b.completion_mask;
+  b.advantages = torch::randn({4, 1}) * b.completion_mask;
+  return b;
+}
+// A CausalLM that cannot pack (logits_packed hidden): pack_sequences must fail with a clear error.
+struct unpackable_gpt : models::gpt {
+  explicit unpackable_gpt(models::gpt g) : models::gpt(std::move(g)) {}
+  void logits_packed() const = delete;
+  unpackable_gpt clone() const { return unpackable_gpt(models::gpt::clone()); }
+};
+static_assert(CausalLM<unpackable_gpt> && !PackedCausalLM<unpackable_gpt>);
+static_assert(!PackedCausalLM<models::torchscript_lm>);
+std::vector<torch::Tensor> grads_of(models::gpt& m, const torch::Tensor& loss) {
+  for (auto& p : m.parameters()) p.mutable_grad() = torch::Tensor();
+  loss.backward();
+  std::vector<torch::Tensor> g;
+  for (const auto& p : m.parameters()) g.push_back(p.grad().defined() ? p.grad().clone() : torch::zeros_like(p));
+  return g;
+}
+double max_diff(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {
+  double d = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) d = std::max(d, (a[i] - b[i]).abs().max().item<double>());
+  return d;
+}
+double max_abs(const std::vector<torch::Tensor>& a) {
+  double d = 0;
+  for (const auto& x : a) d = std::max(d, x.abs().max().item<double>());
+  return d;
+}
+}  // namespace
+
+TEST_CASE("sequence packing: one row without padding, positions restarting, same per-token log-probs",
+          "[cpu][token][packing]") {
+  torch::manual_seed(10);
+  auto m = small_gpt();
+  const auto b = very_ragged_rollout(m);
+  const auto p = models::pack_rollout(b);
+  // no pad tokens: the row is exactly the real tokens, 3+1+2+4 prompt + 1+12+3+7 response = 33
+  const auto real = static_cast<std::int64_t>((b.prompt_mask.sum() + b.completion_mask.sum()).item<double>());
+  CHECK(real == 33);
+  CHECK(p.length() == real);
+  CHECK(p.ids.size(0) == 1);
+  CHECK(torch::equal(p.ids[0], b.full_ids().masked_select(b.full_mask() > 0)));
+  CHECK(torch::equal(p.segments[0], torch::repeat_interleave(torch::arange(4), torch::tensor({4L, 13L, 5L, 11L}))));
+  // positions restart at 0 for every sequence
+  CHECK(torch::equal(p.positions[0].slice(0, 0, 6), torch::tensor({0L, 1L, 2L, 3L, 0L, 1L})));
+  CHECK(p.positions[0][32].item<std::int64_t>() == 10);
+  CHECK(p.completion_index.numel() == 23);
+  torch::NoGradGuard ng;
+  const auto mask = b.completion_mask;
+  const auto [lp, ent] = models::completion_logprob(m, b, 0.8, true);
+  const auto [plp, pent] = models::packed_completion_logprob(m, b, 0.8, true);
+  CHECK(((lp - plp) * mask).abs().max().item<double>() <= 1e-5);
+  CHECK(((ent - pent) * mask).abs().max().item<double>() <= 1e-5);
+  CHECK(((plp.abs() + pent.abs()) * (1.0 - mask)).max().item<double>() == 0.0);  // 0 at padded slots
+  // each packed sequence equals that sequence run alone (no leakage across segments)
+  const auto alone = models::completion_logprob(m, b.select(torch::tensor({1L})).trimmed(), 0.8, false).first;
+  CHECK((alone[0] - plp[1]).abs().max().item<double>() <= 1e-5);
+  // the critic packs the same way
+  const auto critic = m.make_critic();
+  const auto v = algo::detail::completion_values(critic, b) * mask;
+  const auto pv = algo::detail::update_values(critic, b, true);
+  CHECK((v - pv).abs().max().item<double>() <= 1e-5);
+  CHECK_THROWS_WITH(m.logits_packed(p.ids, p.positions + 32, p.segments), Catch::Contains("max_len = 32"));
+  CHECK_THROWS_WITH(models::update_logprob(unpackable_gpt(m), b, 1.0, false, /*pack=*/true),
+                    Catch::Contains("pack_sequences = true"));
+  CHECK(((models::update_logprob(unpackable_gpt(m), b, 0.8, false, false).first - lp) * mask).abs().max()
+             .item<double>() == 0.0);
+}
+
+TEST_CASE("sequence packing: GRPO and PPO losses and gradients equal the padded path in every loss_agg mode",
+          "[cpu][token][packing][grpo]") {
+  torch::manual_seed(11);
+  auto ms = set_of(small_gpt());
+  ms.reference.emplace(ms.policy.clone());
+  const auto b = very_ragged_rollout(ms.policy);
+  const step_info info{0, 1};
+  for (auto agg : {algo::loss_agg::token_mean, algo::loss_agg::seq_mean_token_mean,
+                   algo::loss_agg::seq_mean_token_sum_norm}) {
+    INFO("agg = " << static_cast<int>(agg));
+    const algo::grpo_options o{.clip_low = 0.05, .clip_high = 0.08, .kl_coef = 0.1, .agg = agg, .ent_coef = 0.01,
+                               .sampling = {.max_new_tokens = 12}};
+    auto po = o;
+    po.pack_sequences = true;
+    algo::grpo<> padded(o), packed(po);
+    const auto tp = padded.loss(ms, b, info);
+    const auto tk = packed.loss(ms, b, info);
+    CHECK(tp.clip_fraction > 0.0);  // the clip is active
+    CHECK(tk.total.item<double>() == Approx(tp.total.item<double>()).margin(1e-6));
+    CHECK(tk.kl == Approx(tp.kl).margin(1e-6));
+    CHECK(tk.entropy == Approx(tp.entropy).margin(1e-6));
+    const auto gp = grads_of(ms.policy, tp.total), gk = grads_of(ms.policy, tk.total);
+    CHECK(max_abs(gp) > 1e-4);
+    CHECK(max_diff(gp, gk) <= 1e-5);
+  }
+  // PPO (policy + critic through the same packing)
+  auto c = b;
+  ms.critic.emplace(ms.policy.make_critic());
+  {
+    torch::NoGradGuard ng;
+    c.values = algo::detail::completion_values(*ms.critic, c) * c.completion_mask;
+    c.returns = (c.values + torch::randn_like(c.values)) * c.completion_mask;
+  }
+  algo::ppo<> padded({.ent_coef = 0.01, .kl_coef = 0.1, .kl_in_reward = false, .sampling = {.max_new_tokens = 12}});
+  algo::ppo<> packed({.ent_coef = 0.01, .kl_coef = 0.1, .kl_in_reward = false, .sampling = {.max_new_tokens = 12},
+                      .pack_sequences = true});
+  const auto tp = padded.loss(ms, c, info);
+  const auto tk = packed.loss(ms, c, info);
+  CHECK(tk.total.item<double>() == Approx(tp.total.item<double>()).margin(1e-6));
+  CHECK(tk.value == Approx(tp.value).margin(1e-6));
+  auto all_grads = [&](const torch::Tensor& loss) {
+    auto g = grads_of(ms.policy, loss);  // policy, then the critic
+    for (const auto& p : ms.critic->parameters()) g.push_back(p.grad().defined() ? p.grad().clone() : torch::zeros_like(p));
+    for (auto& p : ms.critic->parameters()) p.mutable_grad() = torch::Tensor();
+    return g;
+  };
+  const auto gp = all_grads(tp.total), gk = all_grads(tk.total);
+  CHECK(max_abs(gp) > 1e-4);
+  CHECK(max_diff(gp, gk) <= 1e-5);
+}
