@@ -16,6 +16,8 @@
 
 #include <unirl/concepts/model.hpp>
 #include <unirl/core/error.hpp>
+#include <unirl/exec/policy.hpp>
+#include <unirl/ops/logprob.hpp>
 #include <unirl/rollout/token.hpp>
 
 namespace unirl {
@@ -65,19 +67,18 @@ concept PackedTokenCritic = TokenCritic<C> && requires(const C& c, const torch::
 namespace models {
 
 /// Log-probability of `targets` under `logits` and the entropy of each distribution, in one
-/// log-softmax pass: logits (..., V), targets (...) int64 -> ((...), (...)) float.
+/// pass (`ops::token_logprob`: fused loops on CPU, the CUDA kernels when built with them):
+/// logits (..., V), targets (...) int64 -> ((...), (...)) float.
 /// `temperature` divides the logits first (the sampler's distribution).
-inline std::pair<torch::Tensor, torch::Tensor> token_logprob(const torch::Tensor& logits, const torch::Tensor& targets,
-                                                             double temperature = 1.0, bool with_entropy = true) {
+template <ExecutionPolicy Exec = exec::automatic>
+std::pair<torch::Tensor, torch::Tensor> token_logprob(const torch::Tensor& logits, const torch::Tensor& targets,
+                                                      double temperature = 1.0, bool with_entropy = true) {
   UNIRL_CHECK(logits.dim() == targets.dim() + 1, "token_logprob: logits ", logits.sizes(),
               " must have one more dimension than targets ", targets.sizes());
   UNIRL_CHECK(temperature > 0.0, "token_logprob: temperature = ", temperature, ": expected > 0");
   const auto x = temperature == 1.0 ? logits.to(torch::kFloat) : logits.to(torch::kFloat) / temperature;
-  const auto lsm = torch::log_softmax(x, -1);
-  auto logp = lsm.gather(-1, targets.unsqueeze(-1).to(torch::kInt64)).squeeze(-1);
-  torch::Tensor ent;
-  if (with_entropy) ent = -(lsm.exp() * lsm).sum(-1);
-  return {logp, ent};
+  const auto r = ops::token_logprob<Exec>(x.reshape({-1, x.size(-1)}), targets.reshape({-1}).to(torch::kInt64));
+  return {r.logp.view(targets.sizes()), with_entropy ? r.entropy.view(targets.sizes()) : torch::Tensor()};
 }
 
 /// Log-probabilities (and entropies) of a rollout's completion tokens under `model`, computed
