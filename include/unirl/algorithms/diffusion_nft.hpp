@@ -64,38 +64,22 @@ inline torch::Tensor nft_loss(const torch::Tensor& v_theta, const torch::Tensor&
 
 /// DiffusionNFT for velocity models, rollouts drawn by `Sampler` from the EMA policy.
 template <class Sampler = rollout::ode::euler>
-class diffusion_nft {
+class diffusion_nft : public flow::algorithm_base<diffusion_nft_options, Sampler, true> {
+  using base = flow::algorithm_base<diffusion_nft_options, Sampler, true>;
+
  public:
-  using options = diffusion_nft_options;
-  using sampler_type = Sampler;
+  using typename base::options;
   static constexpr bool requires_reference = false;
-  static constexpr bool requires_critic = false;
   static constexpr bool requires_ema_rollout = true;
-  static constexpr bool requires_group = true;
-  static constexpr bool supports_multi_update = true;
-  template <class Track>
-  static constexpr bool supports_track = std::is_same_v<Track, rollout::flow_track>;
 
-  explicit diffusion_nft(const options& o = {}) : opts_(o), sampler_(o.sampler) { unirl::options::validate(opts_); }
+  explicit diffusion_nft(const options& o = {}) : base(o) {}
 
-  const options& settings() const { return opts_; }
-
-  template <class M>
-  rollout::flow_rollout sample(model_set<M>& ms, const torch::Tensor& conditions, const step_info& info) {
-    return flow::sample_groups(sampler_, ms.ema ? *ms.ema : ms.policy, conditions, info);
-  }
-
-  template <class M>
-  torch::Tensor advantage(model_set<M>&, rollout::flow_rollout& b, const torch::Tensor& rewards,
-                          const step_info& info) {
-    return flow::group_advantages(b, rewards, info, opts_.advantage);
-  }
 
   template <class M>
   loss_terms loss(model_set<M>& ms, const rollout::flow_rollout& mb, const step_info&) {
     static_assert(models::VelocityModel<M>, "diffusion_nft: the model must predict velocities (flow_model, video_flow_model)");
     UNIRL_CHECK(mb.advantages.defined(), "diffusion_nft: the minibatch has no advantages (advantage() not run)");
-    const auto d = opts_.draws;
+    const auto d = this->opts_.draws;
     const torch::Tensor x0 = mb.samples().repeat_interleave(d, 0);
     const torch::Tensor cond = mb.conditions.repeat_interleave(d, 0);
     const auto n = x0.size(0);
@@ -103,7 +87,7 @@ class diffusion_nft {
     const torch::Tensor eps = torch::randn_like(x0);
     const torch::Tensor tb = flow::per_sample(t, x0);
     const torch::Tensor xt = (1 - tb) * x0 + tb * eps;
-    const torch::Tensor r = 0.5 + 0.5 * (mb.advantages.repeat_interleave(d, 0).to(x0.scalar_type()) / opts_.adv_clip_max)
+    const torch::Tensor r = 0.5 + 0.5 * (mb.advantages.repeat_interleave(d, 0).to(x0.scalar_type()) / this->opts_.adv_clip_max)
                                      .clamp(-1.0, 1.0);
     const torch::Tensor v = ms.policy.velocity(xt, t, cond);
     torch::Tensor v_old;
@@ -112,19 +96,15 @@ class diffusion_nft {
       v_old = (ms.ema ? *ms.ema : ms.policy).velocity(xt, t, cond);
     }
     loss_terms out;
-    out.total = nft_loss(v, v_old, eps - x0, r, opts_.beta);
+    out.total = nft_loss(v, v_old, eps - x0, r, this->opts_.beta);
     out.policy = out.total.item<double>();
     return out;
   }
 
   template <class M>
   void after_optimizer_step(model_set<M>& ms) {
-    if (ms.ema) flow::ema_update(*ms.ema, ms.policy, opts_.ema_decay);
+    if (ms.ema) flow::ema_update(*ms.ema, ms.policy, this->opts_.ema_decay);
   }
-
- private:
-  options opts_;
-  Sampler sampler_;
 };
 static_assert(Algorithm<diffusion_nft<>>);
 

@@ -14,6 +14,8 @@
 #include <vector>
 
 #include <boost/hana.hpp>
+#include <type_traits>
+
 #include <torch/torch.h>
 
 #include <unirl/algorithms/advantage.hpp>
@@ -94,5 +96,42 @@ inline torch::Tensor per_sample(const torch::Tensor& v, const torch::Tensor& lik
   s[0] = v.size(0);
   return v.reshape(s);
 }
+
+
+/// What the flow algorithms share: options and sampler, the flow track, a group, several updates
+/// per rollout, group advantages per condition, and rollouts from the policy — or from its EMA
+/// copy when `FromEma` (RAM, DiffusionNFT). Each algorithm adds its flags and its loss.
+template <class Options, class Sampler, bool FromEma>
+class algorithm_base {
+ public:
+  using options = Options;
+  using sampler_type = Sampler;
+  static constexpr bool requires_critic = false;
+  static constexpr bool requires_group = true;
+  static constexpr bool supports_multi_update = true;
+  template <class Track>
+  static constexpr bool supports_track = std::is_same_v<Track, rollout::flow_track>;
+
+  explicit algorithm_base(const options& o) : opts_(o), sampler_(o.sampler) { unirl::options::validate(opts_); }
+
+  const options& settings() const { return opts_; }
+  const Sampler& sampler() const { return sampler_; }
+
+  template <class M>
+  rollout::flow_rollout sample(model_set<M>& ms, const torch::Tensor& conditions, const step_info& info) {
+    if constexpr (FromEma) return sample_groups(sampler_, ms.ema ? *ms.ema : ms.policy, conditions, info);
+    else return sample_groups(sampler_, ms.policy, conditions, info);
+  }
+
+  template <class M>
+  torch::Tensor advantage(model_set<M>&, rollout::flow_rollout& b, const torch::Tensor& rewards,
+                          const step_info& info) {
+    return group_advantages(b, rewards, info, opts_.advantage);
+  }
+
+ protected:
+  Options opts_;
+  Sampler sampler_;
+};
 
 }  // namespace unirl::algo::flow

@@ -55,46 +55,30 @@ namespace unirl::algo {
 
 /// Flow-DPPO with the sampler policy `Sampler`.
 template <class Sampler = rollout::sde::flow_grpo>
-class flow_dppo {
+class flow_dppo : public flow::algorithm_base<flow_dppo_options, Sampler, false> {
+  using base = flow::algorithm_base<flow_dppo_options, Sampler, false>;
+
  public:
-  using options = flow_dppo_options;
-  using sampler_type = Sampler;
+  using typename base::options;
   static constexpr bool requires_reference = true;  // built only when beta > 0
-  static constexpr bool requires_critic = false;
   static constexpr bool requires_ema_rollout = false;
-  static constexpr bool requires_group = true;
-  static constexpr bool supports_multi_update = true;
-  template <class Track>
-  static constexpr bool supports_track = std::is_same_v<Track, rollout::flow_track>;
 
-  explicit flow_dppo(const options& o = {}) : opts_(o), sampler_(o.sampler) { unirl::options::validate(opts_); }
+  explicit flow_dppo(const options& o = {}) : base(o) {}
 
-  bool uses_reference() const { return opts_.beta > 0.0; }
-  const options& settings() const { return opts_; }
-
-  template <class M>
-  rollout::flow_rollout sample(model_set<M>& ms, const torch::Tensor& conditions, const step_info& info) {
-    return flow::sample_groups(sampler_, ms.policy, conditions, info);
-  }
-
-  template <class M>
-  torch::Tensor advantage(model_set<M>&, rollout::flow_rollout& b, const torch::Tensor& rewards,
-                          const step_info& info) {
-    return flow::group_advantages(b, rewards, info, opts_.advantage);
-  }
+  bool uses_reference() const { return this->opts_.beta > 0.0; }
 
   template <class M>
   loss_terms loss(model_set<M>& ms, const rollout::flow_rollout& mb, const step_info&) {
     UNIRL_CHECK(mb.advantages.defined(), "flow_dppo: the minibatch has no advantages (advantage() not run)");
-    const auto steps = flow::trained_steps(mb, opts_.timestep_fraction);
+    const auto steps = flow::trained_steps(mb, this->opts_.timestep_fraction);
     torch::Tensor adv = mb.advantages;
-    if (opts_.adv_clip_max > 0.0) adv = adv.clamp(-opts_.adv_clip_max, opts_.adv_clip_max);
-    const bool kl_on = opts_.beta > 0.0;
-    UNIRL_CHECK(!kl_on || ms.reference.has_value(), "flow_dppo: beta = ", opts_.beta, " but no reference model");
+    if (this->opts_.adv_clip_max > 0.0) adv = adv.clamp(-this->opts_.adv_clip_max, this->opts_.adv_clip_max);
+    const bool kl_on = this->opts_.beta > 0.0;
+    UNIRL_CHECK(!kl_on || ms.reference.has_value(), "flow_dppo: beta = ", this->opts_.beta, " but no reference model");
     torch::Tensor total;
     double policy = 0, kl = 0, ratio_sum = 0, masked = 0, kl_old = 0;
     for (const auto k : steps) {
-      const rollout::replayed_step r = rollout::replay_step(sampler_, ms.policy, mb, k);
+      const rollout::replayed_step r = rollout::replay_step(this->sampler_, ms.policy, mb, k);
       const torch::Tensor ratio = torch::exp(r.log_prob - mb.log_probs.select(1, k));
       const torch::Tensor a = adv.to(ratio.scalar_type());
       torch::Tensor keep, kl_k;
@@ -103,7 +87,7 @@ class flow_dppo {
         // The trust region always uses the per-element mean (UniRL flowdppo.py).
         kl_k = rollout::gaussian_kl(r.step.mean, mb.means.select(1, k), r.step.std, rollout::logprob_reduction::mean);
         const auto pushed = ((ratio > 1.0) & (a > 0)) | ((ratio < 1.0) & (a < 0));
-        keep = torch::logical_not((kl_k >= opts_.delta) & pushed).to(ratio.scalar_type());
+        keep = torch::logical_not((kl_k >= this->opts_.delta) & pushed).to(ratio.scalar_type());
       }
       const torch::Tensor pl = (-a * ratio * keep).mean();
       torch::Tensor term = pl;
@@ -111,10 +95,10 @@ class flow_dppo {
         torch::Tensor ref_mean;
         {
           torch::NoGradGuard ng;
-          ref_mean = rollout::replay_step(sampler_, *ms.reference, mb, k).step.mean;
+          ref_mean = rollout::replay_step(this->sampler_, *ms.reference, mb, k).step.mean;
         }
-        const torch::Tensor klr = rollout::gaussian_kl(r.step.mean, ref_mean, r.step.std, sampler_.reduction()).mean();
-        term = term + opts_.beta * klr;
+        const torch::Tensor klr = rollout::gaussian_kl(r.step.mean, ref_mean, r.step.std, this->sampler_.reduction()).mean();
+        term = term + this->opts_.beta * klr;
         kl += klr.item<double>();
       }
       total = total.defined() ? total + term : term;
@@ -133,10 +117,6 @@ class flow_dppo {
     out.extra["flow/kl_to_old"] = kl_old / n;
     return out;
   }
-
- private:
-  options opts_;
-  Sampler sampler_;
 };
 static_assert(Algorithm<flow_dppo<>>);
 

@@ -58,66 +58,48 @@ namespace unirl::algo {
 
 /// Flow-GRPO with the sampler policy `Sampler` (see the file comment).
 template <class Sampler = rollout::sde::flow_grpo>
-class flow_grpo {
+class flow_grpo : public flow::algorithm_base<flow_grpo_options, Sampler, false> {
+  using base = flow::algorithm_base<flow_grpo_options, Sampler, false>;
+
  public:
-  using options = flow_grpo_options;
-  using sampler_type = Sampler;
+  using typename base::options;
   static constexpr bool requires_reference = true;  // built only when beta > 0
-  static constexpr bool requires_critic = false;
   static constexpr bool requires_ema_rollout = false;
-  static constexpr bool requires_group = true;
-  static constexpr bool supports_multi_update = true;
-  template <class Track>
-  static constexpr bool supports_track = std::is_same_v<Track, rollout::flow_track>;
 
-  explicit flow_grpo(const options& o = {}) : opts_(o), sampler_(o.sampler) { unirl::options::validate(opts_); }
+  explicit flow_grpo(const options& o = {}) : base(o) {}
 
-  bool uses_reference() const { return opts_.beta > 0.0; }
-  const options& settings() const { return opts_; }
-  const Sampler& sampler() const { return sampler_; }
-
-  /// Draws `group_size` trajectories per condition with the SDE sampler from the policy.
-  template <class M>
-  rollout::flow_rollout sample(model_set<M>& ms, const torch::Tensor& conditions, const step_info& info) {
-    return flow::sample_groups(sampler_, ms.policy, conditions, info);
-  }
-
-  template <class M>
-  torch::Tensor advantage(model_set<M>&, rollout::flow_rollout& b, const torch::Tensor& rewards,
-                          const step_info& info) {
-    return flow::group_advantages(b, rewards, info, opts_.advantage);
-  }
+  bool uses_reference() const { return this->opts_.beta > 0.0; }
 
   /// The clipped surrogate over the trained steps of the minibatch (+ beta KL).
   template <class M>
   loss_terms loss(model_set<M>& ms, const rollout::flow_rollout& mb, const step_info&) {
     UNIRL_CHECK(mb.advantages.defined(), "flow_grpo: the minibatch has no advantages (advantage() not run)");
-    const auto steps = flow::trained_steps(mb, opts_.timestep_fraction);
-    const torch::Tensor adv = mb.advantages.clamp(-opts_.adv_clip_max, opts_.adv_clip_max);
-    const bool kl_on = opts_.beta > 0.0;
-    UNIRL_CHECK(!kl_on || ms.reference.has_value(), "flow_grpo: beta = ", opts_.beta, " but no reference model");
+    const auto steps = flow::trained_steps(mb, this->opts_.timestep_fraction);
+    const torch::Tensor adv = mb.advantages.clamp(-this->opts_.adv_clip_max, this->opts_.adv_clip_max);
+    const bool kl_on = this->opts_.beta > 0.0;
+    UNIRL_CHECK(!kl_on || ms.reference.has_value(), "flow_grpo: beta = ", this->opts_.beta, " but no reference model");
     torch::Tensor total;
     double policy = 0, kl = 0, ratio_sum = 0, clipped = 0;
     for (const auto k : steps) {
-      const rollout::replayed_step r = rollout::replay_step(sampler_, ms.policy, mb, k);
+      const rollout::replayed_step r = rollout::replay_step(this->sampler_, ms.policy, mb, k);
       const torch::Tensor ratio = torch::exp(r.log_prob - mb.log_probs.select(1, k));
       const torch::Tensor a = adv.to(ratio.scalar_type());
-      const torch::Tensor pl = torch::max(-a * ratio, -a * ratio.clamp(1.0 - opts_.clip_range, 1.0 + opts_.clip_range)).mean();
+      const torch::Tensor pl = torch::max(-a * ratio, -a * ratio.clamp(1.0 - this->opts_.clip_range, 1.0 + this->opts_.clip_range)).mean();
       torch::Tensor term = pl;
       if (kl_on) {
         torch::Tensor ref_mean;
         {
           torch::NoGradGuard ng;
-          ref_mean = rollout::replay_step(sampler_, *ms.reference, mb, k).step.mean;
+          ref_mean = rollout::replay_step(this->sampler_, *ms.reference, mb, k).step.mean;
         }
-        const torch::Tensor klk = rollout::gaussian_kl(r.step.mean, ref_mean, r.step.std, sampler_.reduction()).mean();
-        term = term + opts_.beta * klk;
+        const torch::Tensor klk = rollout::gaussian_kl(r.step.mean, ref_mean, r.step.std, this->sampler_.reduction()).mean();
+        term = term + this->opts_.beta * klk;
         kl += klk.item<double>();
       }
       total = total.defined() ? total + term : term;
       policy += pl.item<double>();
       ratio_sum += ratio.mean().item<double>();
-      clipped += ((ratio - 1.0).abs() > opts_.clip_range).to(torch::kFloat64).mean().item<double>();
+      clipped += ((ratio - 1.0).abs() > this->opts_.clip_range).to(torch::kFloat64).mean().template item<double>();
     }
     const double n = static_cast<double>(steps.size());
     loss_terms out;
@@ -129,10 +111,6 @@ class flow_grpo {
     out.extra["flow/trained_steps"] = n;
     return out;
   }
-
- private:
-  options opts_;
-  Sampler sampler_;
 };
 static_assert(Algorithm<flow_grpo<>>);
 

@@ -64,39 +64,22 @@ namespace unirl::algo {
 /// RAM with rollouts drawn by `Sampler` (deterministic ODE by default; `sde::ddim` with
 /// `ddim_eta = 0` for DDPM models).
 template <class Sampler = rollout::ode::euler>
-class ram {
+class ram : public flow::algorithm_base<ram_options, Sampler, true> {
+  using base = flow::algorithm_base<ram_options, Sampler, true>;
+
  public:
-  using options = ram_options;
-  using sampler_type = Sampler;
+  using typename base::options;
   static constexpr bool requires_reference = true;
-  static constexpr bool requires_critic = false;
   static constexpr bool requires_ema_rollout = true;
-  static constexpr bool requires_group = true;
-  static constexpr bool supports_multi_update = true;
-  template <class Track>
-  static constexpr bool supports_track = std::is_same_v<Track, rollout::flow_track>;
 
-  explicit ram(const options& o = {}) : opts_(o), sampler_(o.sampler) { unirl::options::validate(opts_); }
+  explicit ram(const options& o = {}) : base(o) {}
 
-  bool uses_reference() const { return !opts_.reward_weighted; }
-  const options& settings() const { return opts_; }
-
-  /// Endpoints from the EMA policy (the policy itself when no EMA copy exists).
-  template <class M>
-  rollout::flow_rollout sample(model_set<M>& ms, const torch::Tensor& conditions, const step_info& info) {
-    return flow::sample_groups(sampler_, ms.ema ? *ms.ema : ms.policy, conditions, info);
-  }
-
-  template <class M>
-  torch::Tensor advantage(model_set<M>&, rollout::flow_rollout& b, const torch::Tensor& rewards,
-                          const step_info& info) {
-    return flow::group_advantages(b, rewards, info, opts_.advantage);
-  }
+  bool uses_reference() const { return !this->opts_.reward_weighted; }
 
   template <class M>
   loss_terms loss(model_set<M>& ms, const rollout::flow_rollout& mb, const step_info&) {
     UNIRL_CHECK(mb.advantages.defined(), "ram: the minibatch has no advantages (advantage() not run)");
-    const auto d = opts_.draws;
+    const auto d = this->opts_.draws;
     const torch::Tensor x0 = mb.samples().repeat_interleave(d, 0);
     const torch::Tensor cond = mb.conditions.repeat_interleave(d, 0);
     const torch::Tensor adv = flow::per_sample(mb.advantages.repeat_interleave(d, 0).to(x0.scalar_type()), x0);
@@ -113,10 +96,10 @@ class ram {
       pred = ms.policy.epsilon(xt, tf, cond);
       torch::NoGradGuard ng;
       plain = eps;
-      if (!opts_.reward_weighted) {
+      if (!this->opts_.reward_weighted) {
         UNIRL_CHECK(ms.reference.has_value(), "ram: no reference model");
         auto& old = ms.ema ? *ms.ema : ms.policy;
-        target = ms.reference->epsilon(xt, tf, cond) + opts_.multiplier * adv * (eps - old.epsilon(xt, tf, cond));
+        target = ms.reference->epsilon(xt, tf, cond) + this->opts_.multiplier * adv * (eps - old.epsilon(xt, tf, cond));
       }
     } else {
       const torch::Tensor tb = flow::per_sample(t, x0);
@@ -124,16 +107,16 @@ class ram {
       pred = ms.policy.velocity(xt, t, cond);
       torch::NoGradGuard ng;
       plain = eps - x0;
-      if (!opts_.reward_weighted) {
+      if (!this->opts_.reward_weighted) {
         UNIRL_CHECK(ms.reference.has_value(), "ram: no reference model");
         auto& old = ms.ema ? *ms.ema : ms.policy;
-        target = ms.reference->velocity(xt, t, cond) + opts_.multiplier * adv * (plain - old.velocity(xt, t, cond));
+        target = ms.reference->velocity(xt, t, cond) + this->opts_.multiplier * adv * (plain - old.velocity(xt, t, cond));
       }
     }
     loss_terms out;
-    if (opts_.reward_weighted) {
+    if (this->opts_.reward_weighted) {
       const torch::Tensor r = mb.rewards.defined() ? mb.rewards : mb.advantages;
-      const torch::Tensor w = 1.0 + opts_.alpha * r.repeat_interleave(d, 0).to(pred.scalar_type());
+      const torch::Tensor w = 1.0 + this->opts_.alpha * r.repeat_interleave(d, 0).to(pred.scalar_type());
       out.total = ((pred - plain).pow(2).flatten(1).mean(1) * w).mean();
     } else {
       out.total = (pred - target.detach()).pow(2).mean();
@@ -149,12 +132,8 @@ class ram {
   /// Moves the EMA policy (rollouts and v_old) towards the policy.
   template <class M>
   void after_optimizer_step(model_set<M>& ms) {
-    if (ms.ema) flow::ema_update(*ms.ema, ms.policy, opts_.ema_decay);
+    if (ms.ema) flow::ema_update(*ms.ema, ms.policy, this->opts_.ema_decay);
   }
-
- private:
-  options opts_;
-  Sampler sampler_;
 };
 static_assert(Algorithm<ram<>>);
 
