@@ -42,17 +42,33 @@ struct logprob_result {
 
 namespace detail {
 
+inline void check_vocabulary(const torch::Tensor& targets, std::int64_t v, const char* who) {
+  if (targets.numel() == 0) return;
+  const auto lo = targets.min().item<std::int64_t>(), hi = targets.max().item<std::int64_t>();
+  UNIRL_CHECK(lo >= 0 && hi < v, who, ": targets range over [", lo, ", ", hi, "], outside the vocabulary [0, ", v, ")");
+}
+
+// What a log-prob backward needs: the saved (logits, targets, lse, entropy) and the incoming
+// gradients, zeros where a result was not used.
+struct logprob_saved {
+  torch::Tensor x, t, lse, ent, g_logp, g_ent;
+};
+inline logprob_saved unpack_saved(torch::autograd::AutogradContext* ctx, const torch::autograd::variable_list& grads) {
+  const auto saved = ctx->get_saved_variables();
+  const auto n = saved[0].size(0);
+  auto grad_or_zeros = [&](const torch::Tensor& g) {
+    return g.defined() ? g.contiguous() : torch::zeros({n}, saved[0].options());
+  };
+  return {saved[0], saved[1], saved[2], saved[3], grad_or_zeros(grads[0]), grad_or_zeros(grads[1])};
+}
+
 inline void check_logprob_args(const torch::Tensor& logits, const torch::Tensor& targets) {
   UNIRL_CHECK(logits.dim() == 2, "token_logprob: logits must be (N, V), got shape ", logits.sizes());
   UNIRL_CHECK(targets.dim() == 1 && targets.size(0) == logits.size(0), "token_logprob: targets must be (",
               logits.size(0), ",), got shape ", targets.sizes());
   UNIRL_CHECK(targets.scalar_type() == torch::kLong, "token_logprob: targets must be int64, got ", targets.dtype());
   UNIRL_CHECK(logits.is_floating_point(), "token_logprob: logits must be floating point, got ", logits.dtype());
-  if (targets.numel() > 0) {
-    const auto lo = targets.min().item<std::int64_t>(), hi = targets.max().item<std::int64_t>();
-    UNIRL_CHECK(lo >= 0 && hi < logits.size(1), "token_logprob: targets range over [", lo, ", ", hi,
-                "], outside the vocabulary [0, ", logits.size(1), ")");
-  }
+  check_vocabulary(targets, logits.size(1), "token_logprob");
 }
 
 inline logprob_result logprob_reference(const torch::Tensor& logits, const torch::Tensor& targets) {
@@ -105,11 +121,8 @@ struct fused_logprob : torch::autograd::Function<fused_logprob> {
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    const auto saved = ctx->get_saved_variables();
-    const auto &x = saved[0], &t = saved[1], &lse = saved[2], &ent = saved[3];
+    const auto [x, t, lse, ent, g_logp, g_ent] = unpack_saved(ctx, grads);
     const auto n = x.size(0), v = x.size(1);
-    const auto g_logp = grads[0].defined() ? grads[0].contiguous() : torch::zeros({n}, x.options());
-    const auto g_ent = grads[1].defined() ? grads[1].contiguous() : torch::zeros({n}, x.options());
     auto gx = torch::empty_like(x);
     AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "unirl_fused_logprob_backward", [&] {
       const auto* xp = x.data_ptr<scalar_t>();
@@ -161,12 +174,9 @@ struct cuda_logprob : torch::autograd::Function<cuda_logprob> {
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    const auto saved = ctx->get_saved_variables();
-    const auto &x = saved[0], &t = saved[1], &lse = saved[2], &ent = saved[3];
+    const auto [x, t, lse, ent, gl, gh] = unpack_saved(ctx, grads);
     const c10::cuda::CUDAGuard guard(x.device());
     const auto n = x.size(0), v = x.size(1);
-    const auto gl = grads[0].defined() ? grads[0].contiguous() : torch::zeros({n}, x.options());
-    const auto gh = grads[1].defined() ? grads[1].contiguous() : torch::zeros({n}, x.options());
     auto gx = torch::empty_like(x);
     const auto stream = at::cuda::getCurrentCUDAStream().stream();
     AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "unirl_cuda_logprob_backward", [&] {
@@ -261,11 +271,7 @@ inline logprob_result linear_logprob(const torch::Tensor& hidden, const torch::T
   UNIRL_CHECK(targets.dim() == 1 && targets.size(0) == hidden.size(0), "linear_logprob: targets must be (",
               hidden.size(0), ",), got ", targets.sizes());
   UNIRL_CHECK(chunk >= 1, "linear_logprob: chunk = ", chunk, ": expected >= 1");
-  if (targets.numel() > 0) {
-    const auto lo = targets.min().item<std::int64_t>(), hi = targets.max().item<std::int64_t>();
-    UNIRL_CHECK(lo >= 0 && hi < weight.size(0), "linear_logprob: targets range over [", lo, ", ", hi,
-                "], outside the vocabulary [0, ", weight.size(0), ")");
-  }
+  detail::check_vocabulary(targets, weight.size(0), "linear_logprob");
   auto out = detail::chunked_linear_logprob::apply(hidden, weight, targets, chunk);
   return {out[0], out[1]};
 }
