@@ -65,13 +65,16 @@ struct hit_reward {
   }
 };
 
-void BM_grpo_step(benchmark::State& state) {
+// `fast` = the defaults (the prompt's prefill and update forward shared by its group, pi_old taken
+// from the single update's forward); otherwise the same work as grpo_step.py's step.
+void grpo_step(benchmark::State& state, bool fast) {
   torch::manual_seed(0);
   unirl::models::gpt model(unirl::models::gpt_options{.vocab_size = 14, .max_len = 16, .n_layer = 2, .n_head = 4,
                                                       .d_model = 64});
   unirl::trainer<unirl::models::gpt, unirl::algo::grpo<>, hit_reward> t{
       model, hit_reward{},
-      {.algorithm = {.clip_high = 0.28, .agg = unirl::algo::loss_agg::token_mean, .sampling = {.max_new_tokens = 5}},
+      {.algorithm = {.clip_high = 0.28, .agg = unirl::algo::loss_agg::token_mean, .reuse_on_policy_logp = fast,
+                     .share_prompt = fast, .sampling = {.max_new_tokens = 5}},
        .optim = {.lr = 1e-4},
        .group_size = 8,
        .progress = false}};
@@ -80,7 +83,10 @@ void BM_grpo_step(benchmark::State& state) {
   for (auto _ : state) benchmark::DoNotOptimize(t.step(in).loss);
   state.SetItemsProcessed(state.iterations() * 128);
 }
+void BM_grpo_step(benchmark::State& state) { grpo_step(state, true); }
+void BM_grpo_step_same_work(benchmark::State& state) { grpo_step(state, false); }
 BENCHMARK(BM_grpo_step)->Unit(benchmark::kMillisecond)->MinTime(3.0);
+BENCHMARK(BM_grpo_step_same_work)->Unit(benchmark::kMillisecond)->MinTime(3.0);
 }  // namespace
 
 // One LibTorch thread, as grpo_step.py uses on the Python side: these tensors are too small for

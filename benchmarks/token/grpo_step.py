@@ -5,8 +5,12 @@ Same model (GPT: vocab 14, d_model 64, 2 layers, 4 heads, pre-norm, learned posi
 same batch (16 prompts of 6 tokens x group 8 = 128 samples, 5 new tokens at temperature 1), same
 reward (share of generated tokens equal to 1), group-normalised advantages (unbiased std,
 eps 1e-6), pi_old recomputed with the training forward, PPO clip 0.2 / 0.28, token-mean, AdamW
-lr 1e-4, one thread on both sides. Prints samples/s; with --cpp PATH also runs PATH (bench_token) for BM_grpo_step and
-prints both figures and their ratio.
+lr 1e-4, one thread on both sides. Prints samples/s; with --cpp PATH also runs PATH (bench_token):
+BM_grpo_step_same_work (unirl doing this script's work: every prompt row through the model, a
+separate pi_old forward) and BM_grpo_step (unirl's defaults: each prompt once per group in the
+sampler and the update, pi_old from the single update's own forward — same loss and gradients),
+and prints the ratios. The Python step is also timed taking pi_old from the update's forward (TRL's
+shortcut with one update per step), the fairest Python baseline for unirl's defaults.
 
     python3 benchmarks/token/grpo_step.py --cpp build/benchmarks/token/bench_token
 """
@@ -79,7 +83,7 @@ class GPT(nn.Module):
         return self.head(self.ln_f(x))
 
 
-def grpo_step(model, opt, prompts):
+def grpo_step(model, opt, prompts, reuse_old=False):
     b, p = prompts.shape
     with torch.no_grad():
         cache = {"len": 0, "count": torch.zeros(b), "mask": torch.zeros(b, p + NEW),
@@ -94,7 +98,8 @@ def grpo_step(model, opt, prompts):
         comp = torch.cat(out, 1)
         full = torch.cat([prompts, comp], 1)
         mask = torch.ones_like(full, dtype=torch.float)
-        old = torch.log_softmax(model(full[:, :-1], mask[:, :-1])[:, p - 1:], -1).gather(-1, comp.unsqueeze(-1)).squeeze(-1)
+        if not reuse_old:
+            old = torch.log_softmax(model(full[:, :-1], mask[:, :-1])[:, p - 1:], -1).gather(-1, comp.unsqueeze(-1)).squeeze(-1)
         reward = (comp == 1).float().mean(1)
         g = reward.view(-1, GROUP)
         adv = (g - g.mean(1, keepdim=True)) / (g.std(1, keepdim=True) + 1e-6)
@@ -102,6 +107,8 @@ def grpo_step(model, opt, prompts):
     lsm = torch.log_softmax(model(full[:, :-1], mask[:, :-1])[:, p - 1:], -1)
     logp = lsm.gather(-1, comp.unsqueeze(-1)).squeeze(-1)
     entropy = -(lsm.exp() * lsm).sum(-1).mean()
+    if reuse_old:  # one update per step: pi_old is this forward (as TRL does with num_iterations = 1)
+        old = logp.detach()
     ratio = torch.exp(logp - old)
     loss = torch.max(-adv * ratio, -adv * ratio.clamp(1 - 0.2, 1 + 0.28)).mean()
     opt.zero_grad()
@@ -110,25 +117,26 @@ def grpo_step(model, opt, prompts):
     return loss.item(), entropy.item()
 
 
-def python_samples_per_second(seconds):
+def python_samples_per_second(seconds, reuse_old=False):
     torch.manual_seed(0)
     model = GPT()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
     prompts = torch.tensor([[i % 10, (i + 3) % 10, 10, (i * 7) % 10, i % 4, 11] for i in range(PROMPTS)])
     prompts = prompts.repeat_interleave(GROUP, 0)
     for _ in range(3):
-        grpo_step(model, opt, prompts)
+        grpo_step(model, opt, prompts, reuse_old)
     n, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < seconds:
-        grpo_step(model, opt, prompts)
+        grpo_step(model, opt, prompts, reuse_old)
         n += 1
     return n * PROMPTS * GROUP / (time.perf_counter() - t0)
 
 
 def cpp_samples_per_second(path):
+    """items_per_second of BM_grpo_step (unirl's defaults) and BM_grpo_step_same_work."""
     out = subprocess.run([path, "--benchmark_filter=BM_grpo_step", "--benchmark_format=json"],
                          check=True, capture_output=True, text=True).stdout
-    return json.loads(out)["benchmarks"][0]["items_per_second"]
+    return {b["name"].split("/")[0]: b["items_per_second"] for b in json.loads(out)["benchmarks"]}
 
 
 def main():
@@ -140,12 +148,16 @@ def main():
     torch.set_num_threads(a.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     py = python_samples_per_second(a.seconds)
-    print(f"python  GRPO step: {py:9.1f} samples/s")
+    py_reuse = python_samples_per_second(a.seconds, reuse_old=True)
+    print(f"python  GRPO step:                       {py:9.1f} samples/s")
+    print(f"python  GRPO step, pi_old from the update: {py_reuse:7.1f} samples/s")
     if a.cpp:
         cpp = cpp_samples_per_second(a.cpp)
-        print(f"unirl   GRPO step: {cpp:9.1f} samples/s")
-        print(f"ratio unirl / python: {cpp / py:.2f}x")
-
+        same, fast = cpp["BM_grpo_step_same_work"], cpp["BM_grpo_step"]
+        print(f"unirl   GRPO step, the same work:        {same:9.1f} samples/s  ({same / py:.2f}x)")
+        print(f"unirl   GRPO step, defaults:             {fast:9.1f} samples/s  ({fast / py:.2f}x the first, "
+              f"{fast / py_reuse:.2f}x the second Python step)")
+        print(f"ratio unirl / python: {fast / py:.2f}x")
 
 if __name__ == "__main__":
     main()

@@ -18,15 +18,11 @@
 // key=value arguments override trainer options after the preset (e.g. algorithm.gamma=0.95).
 // Writes <out>/summary.json: final_mean_return (mean raw return of the last 20 episodes),
 // env_steps, seconds, steps_per_second; and <out>/metrics.jsonl.
-#include <chrono>
-#include <cstdint>
-#include <filesystem>
-#include <fstream>
+#include <exception>
 #include <iostream>
+#include <ostream>
 #include <string>
-#include <vector>
 
-#include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
 #include <unirl/algorithms/ppo_env.hpp>
@@ -35,6 +31,8 @@
 #include <unirl/models/actor_critic.hpp>
 #include <unirl/rewards/environment.hpp>
 #include <unirl/trainer.hpp>
+
+#include "common/env_example.hpp"
 
 using policy_t = unirl::models::gaussian_actor_critic;
 using trainer_t = unirl::trainer<policy_t, unirl::algo::ppo<>, unirl::rewards::environment_reward>;
@@ -50,8 +48,6 @@ int main(int argc, char** argv) try {
   if (preset != "tuned" && preset != "cleanrl")
     throw unirl::config_error("--preset", "value '" + preset + "': expected tuned or cleanrl");
   const bool cleanrl = preset == "cleanrl";
-  std::int64_t total_env_steps = cleanrl ? 1000000 : 400000, seed = 1, num_envs = cleanrl ? 1 : 4;
-  std::string out = "runs/pendulum_ppo";
   trainer_t::options opts{
       .algorithm = {.clip_low = 0.2, .clip_high = 0.2, .value_clip = 0.2, .vf_coef = 0.5, .ent_coef = 0.0,
                     .gamma = cleanrl ? 0.99 : 0.9, .lambda = 0.95, .norm_adv = true,
@@ -63,54 +59,28 @@ int main(int argc, char** argv) try {
       .minibatches = 32,
       .progress = false,
   };
-  auto flags = unirl::options::parse_command_line(
-      opts, argc, argv,
-      {{"preset", preset}, {"total-steps", std::to_string(total_env_steps)}, {"seed", std::to_string(seed)},
-       {"num-envs", std::to_string(num_envs)}, {"out", out}});
-  total_env_steps = unirl::options::parse_value<std::int64_t>("--total-steps", flags["total-steps"]);
-  seed = unirl::options::parse_value<std::int64_t>("--seed", flags["seed"]);
-  num_envs = unirl::options::parse_value<std::int64_t>("--num-envs", flags["num-envs"]);
-  out = flags["out"];
-  torch::set_num_threads(1);
-
-  const std::int64_t batch = num_envs * opts.algorithm.rollout_steps;
-  const std::int64_t iterations = total_env_steps / batch;
-  opts.seed = seed;
-  opts.total_steps = iterations;
-  std::filesystem::create_directories(out);
-  opts.metrics_path = out + "/metrics.jsonl";
+  const auto run = examples::parse_env_run(opts, argc, argv,
+                                           {.total_env_steps = cleanrl ? 1000000 : 400000,
+                                            .seed = 1,
+                                            .num_envs = cleanrl ? 1 : 4,
+                                            .out = "runs/pendulum_ppo"},
+                                           {{"preset", preset}});
 
   unirl::envs::vector_env<unirl::envs::pendulum> venv(
-      {}, {.num_envs = num_envs,
-           .seed = seed,
+      {}, {.num_envs = run.num_envs,
+           .seed = run.seed,
            .clip_actions = true,
            .normalize_observation = true,
            .normalize_reward = true,
            .reward_gamma = opts.algorithm.gamma});
+  torch::manual_seed(static_cast<std::uint64_t>(run.seed));  // the policy's initial weights
   trainer_t t{policy_t(3, 1), {}, opts};
   std::cout << t.describe();
 
-  const auto start = std::chrono::steady_clock::now();
-  for (std::int64_t it = 0; it < iterations; ++it) {
-    const auto s = t.step(venv);
-    if ((it + 1) % 20 == 0 || it + 1 == iterations)
-      std::cout << "iteration " << it + 1 << "/" << iterations << "  env_steps " << venv.env_steps()
-                << "  mean_return(last 20) " << venv.mean_recent_return(20) << "  value_loss " << s.value_loss
-                << "  entropy " << s.entropy << "  lr " << s.learning_rate << std::endl;
-  }
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-
-  nlohmann::json summary{{"env", "Pendulum-v1"},
-                         {"algorithm", "ppo"},
-                         {"preset", preset},
-                         {"seed", seed},
-                         {"final_mean_return", venv.mean_recent_return(20)},
-                         {"episodes", venv.episodes().size()},
-                         {"env_steps", venv.env_steps()},
-                         {"seconds", seconds},
-                         {"steps_per_second", static_cast<double>(venv.env_steps()) / seconds}};
-  std::ofstream(out + "/summary.json") << summary.dump(2) << "\n";
-  std::cout << summary.dump(2) << std::endl;
+  const double seconds = examples::train_env(t, venv, run.iterations, 20, [](std::ostream& os, const auto& s) {
+    os << "  value_loss " << s.value_loss << "  entropy " << s.entropy << "  lr " << s.learning_rate;
+  });
+  examples::write_env_summary(run, "Pendulum-v1", venv, seconds, {{"preset", preset}});
   return 0;
 } catch (const std::exception& e) {
   std::cerr << e.what() << "\n";

@@ -21,10 +21,12 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdint>
 #include <filesystem>
-#include <fstream>
 #include <iostream>
 #include <string>
+#include <type_traits>
+#include <vector>
 
 #include <unirl/train/plot.hpp>  // first: brings the stb_image_write implementation
 
@@ -140,37 +142,26 @@ evaluation evaluate(video_t& policy, video_t& reference, examples::digit_classif
   const auto mass = (b.samples().clamp(-1, 1) + 1).sum({2, 3, 4});  // (B, F)
   e.consistency = ((mass.slice(1, 1) - mass.slice(1, 0, -1)).abs() / (mass.slice(1, 0, -1) + 1e-6)).mean().item<double>();
   e.strip = b.samples().index_select(0, torch::arange(0, 100, 10, torch::kInt64)).reshape({10 * kFrames, kCanvas, kCanvas});
-  const rl::sde::flow_grpo sde({.steps = 8, .reduction = rl::logprob_reduction::sum});
-  const auto path = rl::sample_trajectory(sde, policy, labels);
-  torch::Tensor kl = torch::zeros({100});
-  for (std::int64_t k = 0; k < path.steps(); ++k) {
-    const auto ref = rl::replay_step(sde, reference, path, k);
-    kl += rl::gaussian_kl(path.means.select(1, k), ref.step.mean, ref.step.std, rl::logprob_reduction::sum);
-  }
-  e.kl = kl.mean().item<double>();
+  e.kl = examples::path_kl(policy, reference, labels, 8);
   return e;
 }
 
 template <class Algo>
-int run(const std::string& name, typename Algo::options algo, const example_options& opt, const std::string& root) {
+int run(const std::string& name, const typename Algo::options& algo, const example_options& opt,
+        const std::string& root) {
   const auto t_start = std::chrono::steady_clock::now();
   const std::string out = root + "/" + name;
   std::filesystem::create_directories(out);
   // The per-frame check: a digit classifier on a fixed split.
   auto setup = examples::prepare_digits(std::string(UNIRL_DATA_DIR) + "/digits.csv.gz");
-  const auto& images = setup.images;
-  const auto& labels = setup.labels;
-  const auto& perm = setup.perm;
-  const std::int64_t n_train = setup.n_train;
-  auto& clf = setup.clf;
-  const auto& real_features = setup.real_features;
-  const double accuracy = setup.accuracy;
   double real_frame_accuracy = 0;  // the per-frame check on real clips: its ceiling
   {
     torch::NoGradGuard ng;
-    const auto held_out = perm.slice(0, n_train, n_train + 100);
-    const auto crops = frame_crops(make_clips(images.index_select(0, held_out), torch::arange(100, torch::kInt64) % 4));
-    real_frame_accuracy = (clf->forward(crops).argmax(1) == labels.index_select(0, held_out).repeat_interleave(kFrames))
+    const auto held_out = setup.perm.slice(0, setup.n_train, setup.n_train + 100);
+    const auto crops =
+        frame_crops(make_clips(setup.images.index_select(0, held_out), torch::arange(100, torch::kInt64) % 4));
+    real_frame_accuracy =
+        (setup.clf->forward(crops).argmax(1) == setup.labels.index_select(0, held_out).repeat_interleave(kFrames))
                               .to(torch::kFloat64)
                               .mean()
                               .item<double>();
@@ -184,87 +175,47 @@ int run(const std::string& name, typename Algo::options algo, const example_opti
       .shape = shape, .channels = 1, .num_classes = 10, .hidden = opt.hidden, .depth = 2, .embed_dim = 64});
   const std::string cache = root + "/pretrained_clip_unet_h" + std::to_string(opt.hidden) + "_i" +
                             std::to_string(opt.pretrain_iters) + "_s" + std::to_string(opt.seed) + ".pt";
-  double pretrain_seconds = 0;
-  if (std::filesystem::exists(cache)) {
-    torch::load(net, cache);
-    std::cout << "loaded the pretrained video model from " << cache << "\n";
-  } else {
-    video_t m(net, shape);
-    const double lr0 = 2e-3;
-    torch::optim::AdamW o(net->parameters(), torch::optim::AdamWOptions(lr0).weight_decay(0.0));
-    const auto t0 = std::chrono::steady_clock::now();
-    for (std::int64_t i = 0; i < opt.pretrain_iters; ++i) {
-      const double warm = std::min(1.0, static_cast<double>(i + 1) / 50.0);
-      for (auto& g : o.param_groups())
-        static_cast<torch::optim::AdamWOptions&>(g.options())
-            .lr(lr0 * warm * 0.5 * (1 + std::cos(M_PI * static_cast<double>(i) / static_cast<double>(opt.pretrain_iters))));
-      const auto idx = torch::randint(0, images.size(0), {64}, torch::kInt64);
-      const auto clips = make_clips(images.index_select(0, idx), torch::randint(0, 4, {64}, torch::kInt64));
-      const auto loss = m.flow_matching_loss(clips, labels.index_select(0, idx), 0.1);
-      o.zero_grad();
-      loss.backward();
-      o.step();
-      if (i % 100 == 0) std::cout << "pretrain " << i << " loss " << loss.item<double>() << std::endl;
-    }
-    pretrain_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    torch::save(net, cache);
-    std::cout << "pretrained in " << pretrain_seconds << " s, saved " << cache << "\n";
-  }
+  video_t pretrained(net, shape);
+  const double pretrain_seconds = examples::pretrain_cached(
+      net, cache, {.iterations = opt.pretrain_iters, .lr = 2e-3, .warmup = 50, .log_every = 100, .what = "video"},
+      [&](std::int64_t) {
+        const auto idx = torch::randint(0, setup.images.size(0), {64}, torch::kInt64);
+        const auto clips = make_clips(setup.images.index_select(0, idx), torch::randint(0, 4, {64}, torch::kInt64));
+        return pretrained.flow_matching_loss(clips, setup.labels.index_select(0, idx), 0.1);
+      });
 
   using trainer_t = unirl::trainer<video_t, Algo, rightward_motion>;
-  typename trainer_t::options topts{.algorithm = algo,
-                                    .optim = {.lr = opt.lr},
-                                    .clip = {.max_grad_norm = 1.0},
-                                    .group_size = opt.group_size,
-                                    .minibatches = opt.minibatches,
-                                    .seed = opt.seed,
-                                    .metrics_path = out + "/metrics.jsonl",
-                                    .progress = true,
-                                    .total_steps = opt.steps};
-  std::filesystem::remove(topts.metrics_path);
-  trainer_t t(video_t(net, shape), rightward_motion{}, topts);
+  trainer_t t(video_t(net, shape), rightward_motion{}, examples::trainer_options<trainer_t>(algo, opt, out));
   video_t reference = t.models().policy.clone();
-  const auto before = evaluate(t.models().policy, reference, clf, real_features);
+  const auto before = evaluate(t.models().policy, reference, setup.clf, setup.real_features);
   std::cout << "before: reward " << before.reward << "  rightward " << before.rightward << "  frame accuracy "
             << before.frame_accuracy << "  frechet " << before.frechet << "\n";
 
-  const auto start = std::chrono::steady_clock::now();
-  for (std::int64_t s = 0; s < opt.steps; ++s)
-    t.step(torch::randperm(10, torch::kInt64).slice(0, 0, std::min<std::int64_t>(opt.conditions, 10)));
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  const auto after = evaluate(t.models().policy, reference, clf, real_features);
+  const double seconds = examples::train_on_random_classes(t, opt);
+  const auto after = evaluate(t.models().policy, reference, setup.clf, setup.real_features);
   const double total = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
   std::cout << "\nafter:  reward " << after.reward << "  rightward " << after.rightward << "  frame accuracy "
             << after.frame_accuracy << "  frechet " << after.frechet << "  kl " << after.kl << "  (" << opt.steps
             << " steps, " << seconds << " s; " << total << " s in all)\n";
 
-  examples::write_grid_png(out + "/strip_before.png", before.strip, 10, kFrames, 3);
-  examples::write_grid_png(out + "/strip_after.png", after.strip, 10, kFrames, 3);
-  unirl::train::plot_metrics(topts.metrics_path, out + "/reward_curve.png", {"reward_mean", "kl"});
-  nlohmann::json summary{
-      {"algorithm", name},
+  auto summary = examples::summarize(name, algo, before, after, opt);
+  summary.seconds = seconds;
+  summary.pretrain_seconds = pretrain_seconds;
+  summary.classifier_accuracy = setup.accuracy;
+  summary.extra = {
       {"reward", "horizontal displacement of the centre of mass, first to last frame, in full sweeps (6 pixels)"},
-      {"reward_before", before.reward},
-      {"reward_after", after.reward},
       {"rightward_share_before", before.rightward},
       {"rightward_share_after", after.rightward},
-      {"kl_to_reference", after.kl},
       {"frame_accuracy_before", before.frame_accuracy},
       {"frame_accuracy_after", after.frame_accuracy},
       {"frame_frechet_before", before.frechet},
       {"frame_frechet_after", after.frechet},
       {"intensity_change_before", before.consistency},
       {"intensity_change_after", after.consistency},
-      {"classifier_accuracy", accuracy},
       {"frame_accuracy_real_clips", real_frame_accuracy},
-      {"steps", opt.steps},
-      {"seconds", seconds},
-      {"pretrain_seconds", pretrain_seconds},
       {"total_seconds", total},
-      {"clip_shape", shape},
-      {"algorithm_options", unirl::options::to_json(algo)}};
-  std::ofstream(out + "/summary.json") << summary.dump(2) << "\n";
-  std::cout << "wrote " << out << "/{summary.json, metrics.jsonl, reward_curve.png, strip_before.png, strip_after.png}\n";
+      {"clip_shape", shape}};
+  examples::write_outputs(out, "strip", before.strip, after.strip, 10, kFrames, 3, summary);
   return 0;
 }
 
@@ -275,21 +226,10 @@ BOOST_HANA_ADAPT_STRUCT(example_options, steps, conditions, group_size, minibatc
 
 int main(int argc, char** argv) try {
   example_options opt;
-  auto flags = unirl::options::parse_command_line(opt, argc, argv, {{"out", "runs/21_video_flow"}, {"algorithm", "grpo"}});
-  const std::string algorithm = flags["algorithm"], root = flags["out"];
-  std::cout << unirl::options::to_string(opt) << "\n";
-  const unirl::rollout::flow_sampler_options sde{.steps = opt.sampler_steps};
-  namespace algo = unirl::algo;
-  if (algorithm == "grpo")
-    return run<algo::flow_grpo<>>("flow_grpo", {.clip_range = 1e-3, .beta = opt.kl_beta, .sampler = sde}, opt, root);
-  if (algorithm == "dppo")
-    return run<algo::flow_dppo<>>("flow_dppo", {.delta = 1e-5, .beta = opt.kl_beta, .sampler = sde}, opt, root);
-  if (algorithm == "ram")
-    return run<algo::ram<>>("ram", {.multiplier = opt.multiplier, .draws = 4, .ema_decay = 0.9, .sampler = sde}, opt,
-                            root);
-  if (algorithm == "nft")
-    return run<algo::diffusion_nft<>>("diffusion_nft", {.beta = 1.0, .adv_clip_max = 1.0, .sampler = sde}, opt, root);
-  throw unirl::config_error("--algorithm", "value '" + algorithm + "': expected grpo, dppo, ram or nft");
+  return examples::run_chosen_algorithm(
+      opt, argc, argv, "runs/21_video_flow", {.beta = 1.0, .adv_clip_max = 1.0},
+      [&]<class Algo>(std::type_identity<Algo>, const std::string& name, const typename Algo::options& algo,
+                      const std::string& root) { return run<Algo>(name, algo, opt, root); });
 } catch (const std::exception& e) {
   std::cerr << e.what() << "\n";
   return 2;

@@ -1,17 +1,33 @@
 #pragma once
 // Shared by the flow-track examples (20_digits_flow, 21_video_flow): a small digit classifier
-// (the reward model and the feature extractor of the Fréchet distance) and PNG grids of
-// samples. Include <unirl/train/plot.hpp> before this header: it brings stb_image_write.
+// (the reward model and the feature extractor of the Fréchet distance), PNG grids of samples,
+// and the scaffolding around the algorithm: the command line and the choice of algorithm type,
+// cached flow-matching pretraining, the trainer's options and loop, the path KL to the
+// pretrained model and the summary.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <filesystem>
+#include <fstream>
 #include <iostream>
 #include <string>
+#include <type_traits>
 #include <vector>
 
+#include <unirl/train/plot.hpp>  // before stb_image_write.h: brings its (static) implementation
+
+#include <nlohmann/json.hpp>
 #include <stb_image_write.h>
 #include <torch/torch.h>
 
+#include <unirl/algorithms/diffusion_nft.hpp>
+#include <unirl/algorithms/flow_dppo.hpp>
+#include <unirl/algorithms/flow_grpo.hpp>
+#include <unirl/algorithms/ram.hpp>
 #include <unirl/core/error.hpp>
+#include <unirl/core/options.hpp>
+#include <unirl/rollout/flow_samplers.hpp>
 
 #include "common/digits.hpp"
 
@@ -74,6 +90,7 @@ inline digit_setup prepare_digits(const std::string& csv_gz_path) {
   s.labels = data.labels;
   torch::manual_seed(0);
   s.perm = torch::randperm(s.images.size(0), torch::kInt64);
+  s.clf = digit_classifier();  // initialised after the seed: the same classifier on every run
   const auto x = s.images.index_select(0, s.perm), y = s.labels.index_select(0, s.perm);
   s.accuracy = train_classifier(s.clf, x.slice(0, 0, s.n_train), y.slice(0, 0, s.n_train), x.slice(0, s.n_train),
                                 y.slice(0, s.n_train));
@@ -109,6 +126,169 @@ inline void write_grid_png(const std::string& path, const torch::Tensor& images,
   UNIRL_CHECK(stbi_write_png(path.c_str(), static_cast<int>(W), static_cast<int>(H), 1, px.data(),
                              static_cast<int>(W)) != 0,
               "write_grid_png: cannot write '", path, "'");
+}
+
+/// Flow-matching pretraining, cached: loads `cache` into `net` when the file exists (returns 0),
+/// otherwise runs `iterations` AdamW steps on `loss_at(i)` (the loss of iteration i's batch) with
+/// a learning rate warmed up linearly over `warmup` iterations (0: none) and annealed to 0 by a
+/// cosine, saves `net` to `cache` and returns the seconds it took.
+/// ```cpp
+/// const double s = examples::pretrain_cached(net, root + "/flow.pt", {.iterations = 800},
+///                                            [&](std::int64_t) { return m.flow_matching_loss(x, y, 0.1); });
+/// ```
+struct pretrain_options {
+  std::int64_t iterations = 800;
+  double lr = 1e-3;
+  std::int64_t warmup = 0;        // iterations of linear warm-up
+  std::int64_t log_every = 1000;  // print the loss every so many iterations
+  std::string what = "flow";      // "loaded the pretrained <what> model"
+};
+
+template <class Net, class LossAt>
+double pretrain_cached(Net& net, const std::string& cache, const pretrain_options& o, LossAt&& loss_at) {
+  if (std::filesystem::exists(cache)) {
+    torch::load(net, cache);
+    std::cout << "loaded the pretrained " << o.what << " model from " << cache << "\n";
+    return 0.0;
+  }
+  torch::optim::AdamW opt(net->parameters(), torch::optim::AdamWOptions(o.lr).weight_decay(0.0));
+  const auto t0 = std::chrono::steady_clock::now();
+  for (std::int64_t i = 0; i < o.iterations; ++i) {
+    const double warm = o.warmup > 0 ? std::min(1.0, static_cast<double>(i + 1) / static_cast<double>(o.warmup)) : 1.0;
+    for (auto& g : opt.param_groups())
+      static_cast<torch::optim::AdamWOptions&>(g.options())
+          .lr(o.lr * warm * 0.5 * (1 + std::cos(M_PI * static_cast<double>(i) / static_cast<double>(o.iterations))));
+    const torch::Tensor loss = loss_at(i);
+    opt.zero_grad();
+    loss.backward();
+    opt.step();
+    if (i % o.log_every == 0) std::cout << "pretrain " << i << " loss " << loss.item<double>() << std::endl;
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  torch::save(net, cache);
+  std::cout << "pretrained in " << seconds << " s, saved " << cache << "\n";
+  return seconds;
+}
+
+/// The trainer options both examples use: AdamW at `opt.lr`, gradient clip 1, `opt.group_size`,
+/// `opt.minibatches`, `opt.seed`, progress on, and metrics in `<out>/metrics.jsonl` (removed first).
+template <class Trainer, class Opt>
+typename Trainer::options trainer_options(const typename Trainer::algorithm_type::options& algo, const Opt& opt,
+                                          const std::string& out) {
+  typename Trainer::options t{.algorithm = algo,
+                              .optim = {.lr = opt.lr},
+                              .clip = {.max_grad_norm = 1.0},
+                              .group_size = opt.group_size,
+                              .minibatches = opt.minibatches,
+                              .seed = opt.seed,
+                              .metrics_path = out + "/metrics.jsonl",
+                              .progress = true,
+                              .total_steps = opt.steps};
+  std::filesystem::remove(t.metrics_path);
+  return t;
+}
+
+/// Runs `opt.steps` trainer steps, each on `opt.conditions` distinct classes of the 10 drawn at
+/// random; returns the seconds they took.
+template <class Trainer, class Opt>
+double train_on_random_classes(Trainer& t, const Opt& opt) {
+  const auto start = std::chrono::steady_clock::now();
+  for (std::int64_t s = 0; s < opt.steps; ++s)
+    t.step(torch::randperm(10, torch::kInt64).slice(0, 0, std::min<std::int64_t>(opt.conditions, 10)));
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+/// The path KL of the Flow-GRPO SDE (`steps` steps, sum over elements and steps) from `policy` to
+/// `reference` on trajectories of `policy` for `labels`, averaged over the samples.
+template <class Model>
+double path_kl(Model& policy, Model& reference, const torch::Tensor& labels, std::int64_t steps) {
+  namespace rl = unirl::rollout;
+  torch::NoGradGuard ng;
+  const rl::sde::flow_grpo sde({.steps = steps, .reduction = rl::logprob_reduction::sum});
+  const auto path = rl::sample_trajectory(sde, policy, labels);
+  torch::Tensor kl = torch::zeros({labels.size(0)});
+  for (std::int64_t k = 0; k < path.steps(); ++k) {
+    const auto ref = rl::replay_step(sde, reference, path, k);
+    kl += rl::gaussian_kl(path.means.select(1, k), ref.step.mean, ref.step.std, rl::logprob_reduction::sum);
+  }
+  return kl.mean().item<double>();
+}
+
+/// What every run reports in `summary.json`; `extra` holds the example's own fields.
+struct run_summary {
+  std::string algorithm;
+  double reward_before = 0, reward_after = 0, kl_to_reference = 0;
+  std::int64_t steps = 0;
+  double seconds = 0, pretrain_seconds = 0, classifier_accuracy = 0;
+  nlohmann::json algorithm_options;
+  nlohmann::json extra = nlohmann::json::object();
+};
+
+/// The fields of `run_summary` that come from the algorithm (`name`, its options `algo`), the
+/// evaluations before and after training (their `reward`, and the `kl` after) and `opt.steps`.
+template <class AlgoOptions, class Evaluation, class Opt>
+run_summary summarize(const std::string& name, const AlgoOptions& algo, const Evaluation& before,
+                      const Evaluation& after, const Opt& opt) {
+  return {.algorithm = name,
+          .reward_before = before.reward,
+          .reward_after = after.reward,
+          .kl_to_reference = after.kl,
+          .steps = opt.steps,
+          .algorithm_options = unirl::options::to_json(algo)};
+}
+
+/// Writes the outputs of a run in `out`: `<stem>_before.png` and `<stem>_after.png` (grids of
+/// `rows` x `cols` tiles of (N, H, W) images, `scale` pixels a pixel), `reward_curve.png` from
+/// `metrics.jsonl`, and `summary.json`; then says so.
+inline void write_outputs(const std::string& out, const std::string& stem, const torch::Tensor& before,
+                          const torch::Tensor& after, std::int64_t rows, std::int64_t cols, int scale,
+                          const run_summary& s) {
+  write_grid_png(out + "/" + stem + "_before.png", before, rows, cols, scale);
+  write_grid_png(out + "/" + stem + "_after.png", after, rows, cols, scale);
+  unirl::train::plot_metrics(out + "/metrics.jsonl", out + "/reward_curve.png", {"reward_mean", "kl"});
+  nlohmann::json summary = s.extra;
+  summary.update(nlohmann::json{{"algorithm", s.algorithm},
+                                {"reward_before", s.reward_before},
+                                {"reward_after", s.reward_after},
+                                {"kl_to_reference", s.kl_to_reference},
+                                {"steps", s.steps},
+                                {"seconds", s.seconds},
+                                {"pretrain_seconds", s.pretrain_seconds},
+                                {"classifier_accuracy", s.classifier_accuracy},
+                                {"algorithm_options", s.algorithm_options}});
+  std::ofstream(out + "/summary.json") << summary.dump(2) << "\n";
+  std::cout << "wrote " << out << "/{summary.json, metrics.jsonl, reward_curve.png, " << stem << "_before.png, " << stem
+            << "_after.png}\n";
+}
+
+/// The command line of the flow examples, `[--algorithm grpo|dppo|ram|nft] [--out DIR]
+/// [key=value ...]` (key=value sets a member of `opt`, which is then printed), and the choice of
+/// algorithm: calls `run(std::type_identity<Algo>{}, name, algorithm options, out)` with the
+/// algorithm type --algorithm picks — each branch instantiates the whole pipeline for its type.
+/// The options come from `opt` (`kl_beta`, `multiplier`, `sampler_steps`); `nft` is DiffusionNFT's
+/// (its sampler is set here).
+template <class Opt, class Run>
+int run_chosen_algorithm(Opt& opt, int argc, char** argv, const std::string& default_out,
+                         unirl::algo::diffusion_nft_options nft, Run&& run) {
+  auto flags = unirl::options::parse_command_line(opt, argc, argv, {{"out", default_out}, {"algorithm", "grpo"}});
+  const std::string algorithm = flags["algorithm"], root = flags["out"];
+  std::cout << unirl::options::to_string(opt) << "\n";
+  const unirl::rollout::flow_sampler_options sde{.steps = opt.sampler_steps};
+  namespace algo = unirl::algo;
+  if (algorithm == "grpo")
+    return run(std::type_identity<algo::flow_grpo<>>{}, "flow_grpo",
+               algo::flow_grpo_options{.clip_range = 1e-3, .beta = opt.kl_beta, .sampler = sde}, root);
+  if (algorithm == "dppo")
+    return run(std::type_identity<algo::flow_dppo<>>{}, "flow_dppo",
+               algo::flow_dppo_options{.delta = 1e-5, .beta = opt.kl_beta, .sampler = sde}, root);
+  if (algorithm == "ram")
+    return run(std::type_identity<algo::ram<>>{}, "ram",
+               algo::ram_options{.multiplier = opt.multiplier, .draws = 4, .ema_decay = 0.9, .sampler = sde}, root);
+  if (algorithm == "nft") {
+    nft.sampler = sde;
+    return run(std::type_identity<algo::diffusion_nft<>>{}, "diffusion_nft", nft, root);
+  }
+  throw unirl::config_error("--algorithm", "value '" + algorithm + "': expected grpo, dppo, ram or nft");
 }
 
 }  // namespace examples

@@ -181,7 +181,7 @@ class trainer {
     auto seconds = [](clock::time_point a, clock::time_point b) { return std::chrono::duration<double>(b - a).count(); };
     step_stats s;
     s.step = step_;
-    const step_info info{step_, opts_.group_size, device_, &s.extra};
+    const step_info info{step_, opts_.group_size, device_, &s.extra, opts_.epochs * opts_.minibatches};
     optimizer_->set_lr_multiplier(train::lr_multiplier(schedule(), step_));
     s.learning_rate = optimizer_->learning_rate();
 

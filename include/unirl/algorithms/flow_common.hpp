@@ -2,7 +2,8 @@
 /// \file flow_common.hpp
 /// Pieces shared by the flow-track algorithms (Flow-GRPO, Flow-DPPO, RAM, DiffusionNFT): the
 /// options of group advantages per condition, drawing a grouped rollout from conditions, picking
-/// the trained steps, and the EMA update.
+/// the trained steps, the EMA update, the base of all four, and the base of the two that replay
+/// the SDE steps with an importance ratio (Flow-GRPO, Flow-DPPO).
 ///
 /// ```cpp
 /// auto batch = unirl::algo::flow::sample_groups(sampler, model, labels, info);  // labels repeated G times
@@ -11,10 +12,11 @@
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include <boost/hana.hpp>
-#include <type_traits>
 
 #include <torch/torch.h>
 
@@ -22,6 +24,7 @@
 #include <unirl/core/context.hpp>
 #include <unirl/core/error.hpp>
 #include <unirl/core/options.hpp>
+#include <unirl/core/stats.hpp>
 #include <unirl/rollout/flow.hpp>
 #include <unirl/rollout/flow_samplers.hpp>
 
@@ -97,6 +100,14 @@ inline torch::Tensor per_sample(const torch::Tensor& v, const torch::Tensor& lik
   return v.reshape(s);
 }
 
+/// Checks the options the ratio algorithms share (`beta`, `timestep_fraction`) of `o`, whose
+/// members are named with the prefix `p`.
+template <class Options>
+void validate_ratio_options(const Options& o, const std::string& p) {
+  options::require(o.beta >= 0.0, p + "beta", o.beta, ">= 0");
+  options::require(o.timestep_fraction > 0.0 && o.timestep_fraction <= 1.0, p + "timestep_fraction",
+                   o.timestep_fraction, "in (0, 1]");
+}
 
 /// What the flow algorithms share: options and sampler, the flow track, a group, several updates
 /// per rollout, group advantages per condition, and rollouts from the policy — or from its EMA
@@ -132,6 +143,70 @@ class algorithm_base {
  protected:
   Options opts_;
   Sampler sampler_;
+};
+
+/// The base of the algorithms that replay the SDE steps of the rollout on the policy and weigh
+/// them by the importance ratio (Flow-GRPO, Flow-DPPO): rollouts from the policy, a reference
+/// model used (and built) only when `beta > 0`, and the loop of their loss. `Options` has
+/// `beta`, `adv_clip_max` (> 0: advantages clipped to +-adv_clip_max), `timestep_fraction`.
+template <class Options, class Sampler>
+class ratio_algorithm_base : public algorithm_base<Options, Sampler, false> {
+ public:
+  static constexpr bool requires_reference = true;  // built only when beta > 0
+  static constexpr bool requires_ema_rollout = false;
+
+  explicit ratio_algorithm_base(const Options& o) : algorithm_base<Options, Sampler, false>(o) {}
+
+  bool uses_reference() const { return this->opts_.beta > 0.0; }
+
+ protected:
+  /// For each trained step k of `mb`: replays it on the policy (`r`), `ratio = exp(log pi(x_k+1 |
+  /// x_k) - the rollout's log-prob)`, the step's policy term `step_loss(k, r, ratio, a)` (a: the
+  /// possibly clipped advantages in the ratio's dtype), plus `beta * KL(policy step || reference
+  /// step)` (the sampler's reduction, averaged over samples) when beta > 0. Returns the loss terms
+  /// (total, policy, kl, ratio_mean: means over the steps) and the number of steps; `step_loss`
+  /// accumulates the algorithm's own figures. `name` prefixes the errors.
+  template <class M, class StepLoss>
+  std::pair<loss_terms, double> ratio_loss(const char* name, model_set<M>& ms, const rollout::flow_rollout& mb,
+                                           StepLoss&& step_loss) const {
+    UNIRL_CHECK(mb.advantages.defined(), name, ": the minibatch has no advantages (advantage() not run)");
+    const auto& o = this->opts_;
+    const auto steps = trained_steps(mb, o.timestep_fraction);
+    const torch::Tensor adv = o.adv_clip_max > 0.0 ? mb.advantages.clamp(-o.adv_clip_max, o.adv_clip_max)
+                                                   : mb.advantages;
+    const bool kl_on = o.beta > 0.0;
+    UNIRL_CHECK(!kl_on || ms.reference.has_value(), name, ": beta = ", o.beta, " but no reference model");
+    torch::Tensor total;
+    double policy = 0, kl = 0, ratio_sum = 0;
+    for (const auto k : steps) {
+      const rollout::replayed_step r = rollout::replay_step(this->sampler_, ms.policy, mb, k);
+      const torch::Tensor ratio = torch::exp(r.log_prob - mb.log_probs.select(1, k));
+      const torch::Tensor a = adv.to(ratio.scalar_type());
+      const torch::Tensor pl = step_loss(k, r, ratio, a);
+      torch::Tensor term = pl;
+      if (kl_on) {
+        torch::Tensor ref_mean;
+        {
+          torch::NoGradGuard ng;
+          ref_mean = rollout::replay_step(this->sampler_, *ms.reference, mb, k).step.mean;
+        }
+        const torch::Tensor klk =
+            rollout::gaussian_kl(r.step.mean, ref_mean, r.step.std, this->sampler_.reduction()).mean();
+        term = term + o.beta * klk;
+        kl += klk.item<double>();
+      }
+      total = total.defined() ? total + term : term;
+      policy += pl.item<double>();
+      ratio_sum += ratio.mean().item<double>();
+    }
+    const double n = static_cast<double>(steps.size());
+    loss_terms out;
+    out.total = total / n;
+    out.policy = policy / n;
+    out.kl = kl / n;
+    out.ratio_mean = ratio_sum / n;
+    return {std::move(out), n};
+  }
 };
 
 }  // namespace unirl::algo::flow

@@ -43,9 +43,7 @@ struct flow_grpo_options {
   void validate(const std::string& p) const {
     options::require(clip_range > 0.0, p + "clip_range", clip_range, "> 0");
     options::require(adv_clip_max > 0.0, p + "adv_clip_max", adv_clip_max, "> 0");
-    options::require(beta >= 0.0, p + "beta", beta, ">= 0");
-    options::require(timestep_fraction > 0.0 && timestep_fraction <= 1.0, p + "timestep_fraction",
-                     timestep_fraction, "in (0, 1]");
+    flow::validate_ratio_options(*this, p);
   }
 };
 
@@ -58,55 +56,25 @@ namespace unirl::algo {
 
 /// Flow-GRPO with the sampler policy `Sampler` (see the file comment).
 template <class Sampler = rollout::sde::flow_grpo>
-class flow_grpo : public flow::algorithm_base<flow_grpo_options, Sampler, false> {
-  using base = flow::algorithm_base<flow_grpo_options, Sampler, false>;
+class flow_grpo : public flow::ratio_algorithm_base<flow_grpo_options, Sampler> {
+  using base = flow::ratio_algorithm_base<flow_grpo_options, Sampler>;
 
  public:
   using typename base::options;
-  static constexpr bool requires_reference = true;  // built only when beta > 0
-  static constexpr bool requires_ema_rollout = false;
 
   explicit flow_grpo(const options& o = {}) : base(o) {}
-
-  bool uses_reference() const { return this->opts_.beta > 0.0; }
 
   /// The clipped surrogate over the trained steps of the minibatch (+ beta KL).
   template <class M>
   loss_terms loss(model_set<M>& ms, const rollout::flow_rollout& mb, const step_info&) {
-    UNIRL_CHECK(mb.advantages.defined(), "flow_grpo: the minibatch has no advantages (advantage() not run)");
-    const auto steps = flow::trained_steps(mb, this->opts_.timestep_fraction);
-    const torch::Tensor adv = mb.advantages.clamp(-this->opts_.adv_clip_max, this->opts_.adv_clip_max);
-    const bool kl_on = this->opts_.beta > 0.0;
-    UNIRL_CHECK(!kl_on || ms.reference.has_value(), "flow_grpo: beta = ", this->opts_.beta, " but no reference model");
-    torch::Tensor total;
-    double policy = 0, kl = 0, ratio_sum = 0, clipped = 0;
-    for (const auto k : steps) {
-      const rollout::replayed_step r = rollout::replay_step(this->sampler_, ms.policy, mb, k);
-      const torch::Tensor ratio = torch::exp(r.log_prob - mb.log_probs.select(1, k));
-      const torch::Tensor a = adv.to(ratio.scalar_type());
-      const torch::Tensor pl = torch::max(-a * ratio, -a * ratio.clamp(1.0 - this->opts_.clip_range, 1.0 + this->opts_.clip_range)).mean();
-      torch::Tensor term = pl;
-      if (kl_on) {
-        torch::Tensor ref_mean;
-        {
-          torch::NoGradGuard ng;
-          ref_mean = rollout::replay_step(this->sampler_, *ms.reference, mb, k).step.mean;
-        }
-        const torch::Tensor klk = rollout::gaussian_kl(r.step.mean, ref_mean, r.step.std, this->sampler_.reduction()).mean();
-        term = term + this->opts_.beta * klk;
-        kl += klk.item<double>();
-      }
-      total = total.defined() ? total + term : term;
-      policy += pl.item<double>();
-      ratio_sum += ratio.mean().item<double>();
-      clipped += ((ratio - 1.0).abs() > this->opts_.clip_range).to(torch::kFloat64).mean().template item<double>();
-    }
-    const double n = static_cast<double>(steps.size());
-    loss_terms out;
-    out.total = total / n;
-    out.policy = policy / n;
-    out.kl = kl / n;
-    out.ratio_mean = ratio_sum / n;
+    const double eps = this->opts_.clip_range;
+    double clipped = 0;
+    auto [out, n] = this->ratio_loss("flow_grpo", ms, mb,
+                                     [&](std::int64_t, const rollout::replayed_step&, const torch::Tensor& ratio,
+                                         const torch::Tensor& a) {
+                                       clipped += ((ratio - 1.0).abs() > eps).to(torch::kFloat64).mean().item<double>();
+                                       return torch::max(-a * ratio, -a * ratio.clamp(1.0 - eps, 1.0 + eps)).mean();
+                                     });
     out.clip_fraction = clipped / n;
     out.extra["flow/trained_steps"] = n;
     return out;

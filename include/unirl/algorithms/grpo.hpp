@@ -5,7 +5,10 @@
 /// - DAPO: `clip_high = 0.28`, `agg = token_mean`, `kl_coef = 0`, `dynamic_sampling`, `overlong_buffer`;
 /// - Dr.GRPO: `advantage = dr_grpo`, `agg = seq_mean_token_sum_norm`;
 /// - RLOO and REINFORCE++ advantages; the DPPO token mask instead of the clip (`dppo_mask`);
-/// - `pack_sequences`: the update forward runs on the minibatch packed without padding (same loss).
+/// - `pack_sequences`: the update forward runs on the minibatch packed without padding (same loss);
+/// - `share_prompt` (default): the update forward runs each distinct prompt once for its group;
+/// - `reuse_on_policy_logp` (default): a step with one update takes pi_old from that update's
+///   forward instead of a separate forward after sampling (same values, one forward fewer).
 ///
 /// ```cpp
 /// using algo = unirl::algo::grpo<>;
@@ -80,6 +83,8 @@ struct grpo_options {
   std::int64_t overlong_buffer = 0;     // DAPO soft overlong penalty L_c; 0 = off
   double overlong_factor = 1.0;         // scale of that penalty
   bool recompute_old_logp = true;       // pi_old from the training forward (ratio exactly 1 on-policy)
+  bool reuse_on_policy_logp = true;     // one update per step: pi_old = that update's own forward, detached
+  bool share_prompt = true;             // update forward: each distinct prompt once, shared by its group
   bool pack_sequences = false;          // update forward on the minibatch packed into one row, no padding
   sampling_options sampling{};
 
@@ -102,7 +107,8 @@ struct grpo_options {
 
 BOOST_HANA_ADAPT_STRUCT(unirl::algo::grpo_options, clip_low, clip_high, dual_clip, kl_coef, kl, agg, max_len,
                         advantage, unbiased_std, adv_eps, gamma, ent_coef, dppo_mask, dppo_delta, dynamic_sampling,
-                        max_resample_rounds, overlong_buffer, overlong_factor, recompute_old_logp, pack_sequences,
+                        max_resample_rounds, overlong_buffer, overlong_factor, recompute_old_logp, reuse_on_policy_logp,
+                        share_prompt, pack_sequences,
                         sampling);
 
 namespace unirl::algo {
@@ -174,7 +180,7 @@ class grpo {
 
   template <CausalLM M>
   token_rollout sample(model_set<M>& models, const prompt_batch& input, const step_info& info) {
-    auto batch = sample_for_update(models, input, info, o_.sampling, o_.recompute_old_logp);
+    auto batch = sample_for_update(models, input, info, o_.sampling, recomputes_at_sampling(info), layout());
     if (!o_.dynamic_sampling) return batch;
     UNIRL_CHECK(static_cast<bool>(filter_), "grpo: dynamic_sampling = true needs the reward to filter groups: call "
                                             "trainer.algorithm().set_filter_reward(...)");
@@ -230,12 +236,19 @@ class grpo {
   }
 
   template <CausalLM M>
-  loss_terms loss(model_set<M>& models, const token_rollout& minibatch, const step_info&) {
-    const token_rollout mb = minibatch.trimmed();  // dynamic padding: only the minibatch's own width
+  loss_terms loss(model_set<M>& models, const token_rollout& minibatch, const step_info& info) {
+    token_rollout mb = minibatch.trimmed();  // dynamic padding: only the minibatch's own width
     const auto mask = mb.completion_mask;
     torch::Tensor logp, ent;
-    std::tie(logp, ent) = models::update_logprob(models.policy, mb, o_.sampling.temperature, true, o_.pack_sequences);
+    std::tie(logp, ent) = models::update_logprob(models.policy, mb, o_.sampling.temperature, true, layout());
     UNIRL_CHECK(mb.advantages.defined(), "grpo: the minibatch has no advantages; advantage() must run first");
+    if (reuses_update_logp(info)) {
+      // The step's only update is on-policy: pi_old is this very forward (what the recompute at
+      // sampling would have produced), so the separate forward was skipped.
+      torch::NoGradGuard ng;
+      info.report("sampler_logp_max_diff", ((logp.detach() - mb.old_logp) * mask).abs().max().item<double>());
+      mb.old_logp = logp.detach() * mask;
+    }
     const auto pl = o_.dppo_mask ? dppo_mask_loss(logp, mb.old_logp, mb.advantages, o_.dppo_delta)
                                  : ppo_clip_loss(logp, mb.old_logp, mb.advantages, o_.clip_low, o_.clip_high,
                                                  o_.dual_clip);
@@ -264,6 +277,20 @@ class grpo {
   }
 
  private:
+  models::update_layout layout() const {
+    if (o_.pack_sequences) return models::update_layout::packed;
+    return o_.share_prompt ? models::update_layout::shared_prompt : models::update_layout::padded;
+  }
+  // pi_old comes from the update's own forward: the step takes one update and the advantage does
+  // not read pi_old (REINFORCE++ with a KL does).
+  bool reuses_update_logp(const step_info& info) const {
+    return o_.recompute_old_logp && o_.reuse_on_policy_logp && info.updates == 1 &&
+           !(o_.advantage == advantage_kind::reinforce_pp && o_.kl_coef > 0.0);
+  }
+  bool recomputes_at_sampling(const step_info& info) const {
+    return o_.recompute_old_logp && !reuses_update_logp(info);
+  }
+
   template <CausalLM M>
   token_rollout refill(model_set<M>& models, const prompt_batch& input, const step_info& info, token_rollout batch) {
     const auto G = info.group_size;
@@ -296,7 +323,7 @@ class grpo {
         if (!input.references.empty()) again.references.push_back(input.references[static_cast<std::size_t>(i)]);
       }
       if (which.empty()) break;
-      absorb(sample_for_update(models, again, info, o_.sampling, o_.recompute_old_logp), which);
+      absorb(sample_for_update(models, again, info, o_.sampling, recomputes_at_sampling(info), layout()), which);
     }
     info.report("dynamic_sampling/kept_groups", static_cast<double>(kept.size()));
     if (kept.empty()) return batch;  // nothing informative: train on the batch as drawn (A = 0)

@@ -50,11 +50,15 @@ torch::Tensor update_values(const Critic& critic, const token_rollout& b, bool p
 /// PPO's token-track stages (see `ppo.hpp` for the shared loss).
 template <>
 struct ppo_track<token_track> {
+  static models::update_layout layout(const ppo_options& o) {
+    return o.pack_sequences ? models::update_layout::packed : models::update_layout::padded;
+  }
+
   template <CausalLM M>
   static token_rollout sample(const ppo_options& o, model_set<M>& models, const prompt_batch& input,
                               const step_info& info) {
     static_assert(CriticFactory<M>, "ppo on the token track needs a model with make_critic() (a TokenCritic)");
-    token_rollout b = sample_for_update(models, input, info, o.sampling, /*recompute_old_logp=*/true);
+    token_rollout b = sample_for_update(models, input, info, o.sampling, /*recompute_old_logp=*/true, layout(o));
     UNIRL_CHECK(models.critic.has_value(), "ppo: the trainer built no critic for this model");
     torch::NoGradGuard ng;
     b.values = detail::completion_values(*models.critic, b) * b.completion_mask;
@@ -93,7 +97,7 @@ struct ppo_track<token_track> {
     UNIRL_CHECK(mb.advantages.defined() && mb.returns.defined(), "ppo: the minibatch has no advantages/returns");
     ppo_eval ev;
     std::tie(ev.logp, ev.entropy) =
-        models::update_logprob(models.policy, mb, o.sampling.temperature, true, o.pack_sequences);
+        models::update_logprob(models.policy, mb, o.sampling.temperature, true, layout(o));
     ev.old_logp = mb.old_logp;
     ev.advantages = mb.advantages;
     ev.mask = mb.completion_mask;

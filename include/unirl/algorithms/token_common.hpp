@@ -20,21 +20,23 @@
 namespace unirl::algo {
 
 /// Samples `info.group_size` completions per prompt with the policy, then (optionally) replaces
-/// the sampler's log-probabilities by the training forward's and fills `ref_logp` when the
+/// the sampler's log-probabilities by the training forward's — laid out as the update will lay
+/// it out, so an on-policy first update sees ratio exactly 1 — and fills `ref_logp` when the
 /// model set holds a reference. Reports `sampler_logp_max_diff` (train/inference mismatch).
 template <CausalLM M>
 token_rollout sample_for_update(model_set<M>& models, const prompt_batch& input, const step_info& info,
-                                const sampling_options& s, bool recompute_old_logp) {
+                                const sampling_options& s, bool recompute_old_logp,
+                                models::update_layout layout = models::update_layout::padded) {
   torch::NoGradGuard ng;
   token_rollout batch = sample_tokens(models.policy, input, info.group_size, s, info.device);
   const auto mask = batch.completion_mask;
   if (recompute_old_logp) {
-    const torch::Tensor lp = models::completion_logprob(models.policy, batch, s.temperature, false).first * mask;
+    const torch::Tensor lp = models::update_logprob(models.policy, batch, s.temperature, false, layout).first * mask;
     info.report("sampler_logp_max_diff", (lp - batch.old_logp).abs().max().item<double>());
     batch.old_logp = lp;
   }
   if (models.reference)
-    batch.ref_logp = models::completion_logprob(*models.reference, batch, s.temperature, false).first * mask;
+    batch.ref_logp = models::update_logprob(*models.reference, batch, s.temperature, false, layout).first * mask;
   return batch;
 }
 

@@ -41,6 +41,8 @@ struct step_info {
   std::int64_t group_size = 1;           // samples per prompt / condition
   torch::Device device = torch::kCPU;    // where rollouts and updates run
   std::map<std::string, double>* extra = nullptr;  // algorithm figures for the step statistics
+  std::int64_t updates = 0;              // optimizer updates this step takes on its batch (0 = unknown);
+                                         // 1: the update is on-policy (pi_old = pi_theta)
 
   /// Reports a figure in this step's statistics (averaged when reported per minibatch).
   void report(const std::string& key, double value) const {

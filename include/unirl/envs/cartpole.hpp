@@ -18,11 +18,15 @@
 
 #include <unirl/concepts/environment.hpp>
 #include <unirl/core/error.hpp>
+#include <unirl/envs/episodic_env.hpp>
 
 namespace unirl::envs {
 
 /// CartPole-v1. The state is kept in double precision (as Gym does) and observed as float.
-class cartpole {
+class cartpole : public episodic_env<cartpole, std::array<double, 4>> {
+  using base = episodic_env<cartpole, std::array<double, 4>>;
+  friend base;
+
  public:
   static constexpr std::size_t observation_size = 4;
   using observation_type = std::array<float, 4>;  // x, x_dot, theta, theta_dot
@@ -43,34 +47,19 @@ class cartpole {
 
   cartpole() : cartpole(500) {}
   /// `max_episode_steps`: the time limit (Gym's `TimeLimit`, 500 for v1); must be >= 1.
-  explicit cartpole(std::int64_t max_episode_steps) : max_steps_(max_episode_steps) {
-    UNIRL_CHECK(max_episode_steps >= 1, "cartpole: max_episode_steps = ", max_episode_steps, ": expected >= 1");
-  }
+  explicit cartpole(std::int64_t max_episode_steps) : base("cartpole", max_episode_steps) {}
 
   action_space_type action_space() const { return {2}; }
 
-  /// Starts an episode; the state is drawn uniformly from [-0.05, 0.05]^4 by a generator seeded with `seed`.
-  observation_type reset(std::uint64_t seed) {
-    rng_.seed(seed);
-    std::uniform_real_distribution<double> u(-0.05, 0.05);
-    for (auto& s : state_) s = u(rng_);
-    return start();
-  }
-
-  /// Starts an episode from a given state (tests, demonstrations).
-  observation_type reset_to(const state_type& s) {
-    state_ = s;
-    return start();
-  }
+  // reset(seed): the state is drawn uniformly from [-0.05, 0.05]^4 by a generator seeded with
+  // `seed`; reset_to(state), state(), elapsed_steps(), max_episode_steps(): see episodic_env.
 
   /// Advances one tau. Throws for an action other than 0 or 1 and for a step after the end of an episode.
   step_result<observation_type> step(const action_type& action) {
-    UNIRL_CHECK(started_, "cartpole::step: called before reset()");
-    UNIRL_CHECK(!done_, "cartpole::step: the episode ended (", terminated_ ? "terminated" : "truncated",
-                " after ", steps_, " steps); call reset() before stepping again");
+    check_running("cartpole::step");
     UNIRL_CHECK(action_space().contains(action), "cartpole::step: action = ", action,
                 ": expected 0 (push left) or 1 (push right)");
-    auto [x, x_dot, theta, theta_dot] = state_;
+    auto [x, x_dot, theta, theta_dot] = state();
     const double force = action == 1 ? force_mag : -force_mag;
     const double costheta = std::cos(theta), sintheta = std::sin(theta);
     const double temp = (force + polemass_length * theta_dot * theta_dot * sintheta) / total_mass;
@@ -81,35 +70,23 @@ class cartpole {
     x_dot += tau * xacc;
     theta += tau * theta_dot;
     theta_dot += tau * thetaacc;
-    state_ = {x, x_dot, theta, theta_dot};
-    ++steps_;
-    terminated_ = x < -x_threshold || x > x_threshold || theta < -theta_threshold || theta > theta_threshold;
-    const bool truncated = !terminated_ && steps_ >= max_steps_;
-    done_ = terminated_ || truncated;
-    return {observe(), 1.0, terminated_, truncated};
+    const bool terminated =
+        x < -x_threshold || x > x_threshold || theta < -theta_threshold || theta > theta_threshold;
+    const bool truncated = advance({x, x_dot, theta, theta_dot}, terminated);
+    return {observe(), 1.0, terminated, truncated};
   }
-
-  const state_type& state() const { return state_; }
-  std::int64_t elapsed_steps() const { return steps_; }
-  std::int64_t max_episode_steps() const { return max_steps_; }
 
  private:
-  observation_type start() {
-    started_ = true;
-    done_ = terminated_ = false;
-    steps_ = 0;
-    return observe();
+  static state_type draw_state(std::mt19937_64& rng) {
+    std::uniform_real_distribution<double> u(-0.05, 0.05);
+    state_type s{};
+    for (auto& v : s) v = u(rng);
+    return s;
   }
   observation_type observe() const {
-    return {static_cast<float>(state_[0]), static_cast<float>(state_[1]), static_cast<float>(state_[2]),
-            static_cast<float>(state_[3])};
+    const auto& s = state();
+    return {static_cast<float>(s[0]), static_cast<float>(s[1]), static_cast<float>(s[2]), static_cast<float>(s[3])};
   }
-
-  std::int64_t max_steps_;
-  state_type state_{};
-  std::mt19937_64 rng_{0};
-  std::int64_t steps_ = 0;
-  bool started_ = false, done_ = false, terminated_ = false;
 };
 static_assert(DiscreteEnvironment<cartpole>);
 

@@ -6,7 +6,7 @@
 /// ```cpp
 /// auto logits = model.logits(ids, mask);                          // (B, L, V)
 /// auto [logp, ent] = unirl::models::token_logprob(logits, targets);  // (B, L) each
-/// auto [lp, e] = unirl::models::update_logprob(model, batch, 1.0, true, /*pack=*/true);  // packed, (B, T)
+/// auto [lp, e] = unirl::models::update_logprob(model, batch, 1.0, true, unirl::models::update_layout::packed);
 /// ```
 #include <concepts>
 #include <cstdint>
@@ -51,6 +51,16 @@ template <class M>
 concept PackedCausalLM = CausalLM<M> && requires(const M& m, const torch::Tensor& t) {
   { m.logits_packed(t, t, t) } -> std::same_as<torch::Tensor>;
 };
+
+/// A `CausalLM` whose cache rows can be selected (prefix sharing): `select_cache(cache, index)`
+/// returns a cache whose row i is row `index[i]` ((n,) int64) of `cache`, differentiably. The
+/// sampler then prefills each distinct prompt once for its whole group, and the update forward
+/// (`share_prompt`) runs each distinct prompt once and lets every completion attend to it.
+template <class M>
+concept PrefixSharingCausalLM = CausalLM<M> &&
+    requires(const M& m, const typename M::cache_type& c, const torch::Tensor& index) {
+      { m.select_cache(c, index) } -> std::same_as<typename M::cache_type>;
+    };
 
 /// A value model for PPO on the token track: `values(ids, mask)` gives (B, L), V of each prefix.
 template <class C>
@@ -156,17 +166,67 @@ std::pair<torch::Tensor, torch::Tensor> packed_completion_logprob(const M& model
   return {p.unpack(logp), with_entropy ? p.unpack(ent) : torch::Tensor{}};
 }
 
-/// The update forward's log-probabilities: packed when `pack` (the `pack_sequences` option),
-/// padded otherwise. A model without `logits_packed` gives a clear error when `pack` is set.
+/// The distinct prompts of a rollout: `ids`/`mask` (U, P) and `inverse` (B,), the distinct
+/// prompt of each sample (rows of equal ids and mask are one prompt, wherever they sit).
+struct distinct_prompts {
+  torch::Tensor ids, mask, inverse;
+  std::int64_t count() const { return ids.size(0); }
+};
+
+/// Finds the distinct prompts of `b` (see `distinct_prompts`).
+inline distinct_prompts find_distinct_prompts(const token_rollout& b) {
+  const auto P = b.prompt_ids.size(1);
+  const auto key = torch::cat({b.prompt_ids, b.prompt_mask.to(torch::kInt64)}, 1);
+  const auto [uniq, inverse, counts] = torch::unique_dim(key, 0, /*sorted=*/true, /*return_inverse=*/true);
+  (void)counts;
+  return {uniq.slice(1, 0, P).contiguous(), uniq.slice(1, P).to(torch::kFloat).contiguous(), inverse};
+}
+
+/// `completion_logprob` with prefix sharing: each distinct prompt runs once through the model,
+/// and every completion attends to its prompt's keys and values through the cache
+/// (`select_cache`), so a group of G samples costs one prompt forward instead of G. Same (B, T)
+/// log-probabilities and gradients as the padded forward (to float rounding). Falls back to the
+/// padded forward when no prompt repeats or a prompt row does not end with a real token.
+template <PrefixSharingCausalLM M>
+std::pair<torch::Tensor, torch::Tensor> shared_prompt_completion_logprob(const M& model, const token_rollout& b,
+                                                                         double temperature = 1.0,
+                                                                         bool with_entropy = true) {
+  const auto P = b.prompt_ids.size(1), T = b.completion_ids.size(1);
+  if (b.size() < 2 || P == 0 || T == 0 || !(b.prompt_mask.select(1, P - 1) > 0).all().item<bool>())
+    return completion_logprob(model, b, temperature, with_entropy);
+  const auto d = find_distinct_prompts(b);
+  if (d.count() == b.size()) return completion_logprob(model, b, temperature, with_entropy);
+  auto cache = model.make_cache(d.count(), P + T);
+  const auto first = model.logits_cached(d.ids, d.mask, cache).select(1, P - 1).index_select(0, d.inverse);  // (B, V)
+  torch::Tensor logits = first.unsqueeze(1);
+  if (T > 1) {
+    auto shared = model.select_cache(cache, d.inverse);
+    const auto rest = model.logits_cached(b.completion_ids.slice(1, 0, T - 1), b.completion_mask.slice(1, 0, T - 1),
+                                          shared);  // (B, T-1, V): completion token t+1 predicted at t
+    logits = torch::cat({logits, rest}, 1);
+  }
+  return token_logprob(logits, b.completion_ids, temperature, with_entropy);
+}
+
+/// How the update forward lays out a minibatch (all give the same log-probabilities):
+/// `padded` — prompt + completion rows with padding; `packed` — sequence packing
+/// (`PackedCausalLM`); `shared_prompt` — each distinct prompt once (`PrefixSharingCausalLM`).
+enum class update_layout { padded, packed, shared_prompt };
+
+/// The update forward's log-probabilities in `layout`. `packed` on a model without `logits_packed`
+/// gives a clear error; `shared_prompt` on a model without `select_cache` runs padded.
 template <CausalLM M>
 std::pair<torch::Tensor, torch::Tensor> update_logprob(const M& model, const token_rollout& b, double temperature,
-                                                       bool with_entropy, bool pack) {
-  if (pack) {
+                                                       bool with_entropy, update_layout layout) {
+  if (layout == update_layout::packed) {
     if constexpr (PackedCausalLM<M>) return packed_completion_logprob(model, b, temperature, with_entropy);
     else
       UNIRL_CHECK(false, "pack_sequences = true: this model has no logits_packed(ids, positions, segments) ",
                   "(it is not a PackedCausalLM); set pack_sequences = false");
   }
+  if constexpr (PrefixSharingCausalLM<M>)
+    if (layout == update_layout::shared_prompt)
+      return shared_prompt_completion_logprob(model, b, temperature, with_entropy);
   return completion_logprob(model, b, temperature, with_entropy);
 }
 

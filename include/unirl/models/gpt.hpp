@@ -23,6 +23,7 @@
 #include <unirl/core/options.hpp>
 #include <unirl/models/causal_lm.hpp>
 #include <unirl/models/module_adapter.hpp>
+#include <unirl/ops/attention.hpp>
 #include <unirl/rollout/token.hpp>
 
 namespace unirl::models {
@@ -58,6 +59,23 @@ struct kv_cache {
   torch::Tensor count;              // (B,) int64, real tokens so far (the next position)
   std::int64_t length = 0;          // slots filled
   std::int64_t capacity = 0;
+
+  /// A cache whose row i is row `index[i]` of this one ((n,) int64): one prompt's prefill shared
+  /// by its group. Differentiable (index_select), so an update forward can share it too.
+  kv_cache select(const torch::Tensor& index) const {
+    UNIRL_CHECK(index.dim() == 1, "kv_cache::select: index must be 1-D, got sizes ", index.sizes());
+    const auto idx = index.to(mask.device(), torch::kInt64);
+    kv_cache c;
+    for (std::size_t i = 0; i < k.size(); ++i) {
+      c.k.push_back(k[i].index_select(0, idx));
+      c.v.push_back(v[i].index_select(0, idx));
+    }
+    c.mask = mask.index_select(0, idx);
+    c.count = count.index_select(0, idx);
+    c.length = length;
+    c.capacity = capacity;
+    return c;
+  }
 };
 
 /// One pre-norm transformer block.
@@ -87,9 +105,7 @@ class gpt_block_impl : public torch::nn::Cloneable<gpt_block_impl> {
       k = k_all->slice(2, 0, start + n);
       v = v_all->slice(2, 0, start + n);
     }
-    auto att = torch::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(dh))) + bias;
-    att = torch::softmax(att, -1);
-    auto y = torch::matmul(att, v).transpose(1, 2).reshape({B, n, d_});
+    auto y = ops::attention(q, k, v, bias, 1.0 / std::sqrt(static_cast<double>(dh))).transpose(1, 2).reshape({B, n, d_});
     auto h = x + proj(y);
     return h + fc2(torch::gelu(fc1(ln2(h))));
   }
@@ -276,6 +292,8 @@ struct gpt : module_adapter<gpt, gpt_net> {
   torch::Tensor logits_cached(const torch::Tensor& ids, const torch::Tensor& mask, kv_cache& c) const {
     return net_.ptr()->forward_cached(ids, mask, c);
   }
+  /// Row i of the result is row `index[i]` of `c` (prefix sharing, `PrefixSharingCausalLM`).
+  kv_cache select_cache(const kv_cache& c, const torch::Tensor& index) const { return c.select(index); }
   std::int64_t vocab_size() const { return net_->config().vocab_size; }
   std::int64_t max_length() const { return net_->config().max_len; }
 
@@ -294,6 +312,7 @@ struct gpt : module_adapter<gpt, gpt_net> {
 };
 static_assert(CausalLM<gpt>);
 static_assert(PackedCausalLM<gpt>);
+static_assert(PrefixSharingCausalLM<gpt>);
 static_assert(CriticFactory<gpt>);
 
 }  // namespace unirl::models

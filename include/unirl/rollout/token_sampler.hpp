@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #include <torch/torch.h>
@@ -69,6 +70,8 @@ inline std::pair<torch::Tensor, torch::Tensor> pad_prompts(const prompt_batch& i
 }
 
 /// Samples `group_size` completions per prompt with the KV cache. Call under `torch::NoGradGuard`.
+/// With a `PrefixSharingCausalLM` each prompt is prefilled once and its cache rows are shared by
+/// the group's samples.
 /// Completions stop at a stop token (kept, masked 1) or at `max_new_tokens`; afterwards slots hold
 /// `pad_id` with mask 0. `completions` holds the decoded text without stop tokens when the input
 /// has a decoder; `prompts` and `references` are copied per sample.
@@ -85,8 +88,22 @@ token_rollout sample_tokens(const M& model, const prompt_batch& in, std::int64_t
   pmask = pmask.to(device);
   const auto B = pids.size(0), P = pids.size(1), T = s.max_new_tokens;
 
-  auto cache = model.make_cache(B, P + T);
-  auto logits = model.logits_cached(pids, pmask, cache).select(1, P - 1);  // (B, V)
+  // The prompt's prefill runs once per group when the model's cache rows can be shared.
+  auto prefill = [&] {
+    if constexpr (PrefixSharingCausalLM<M>) {
+      if (group_size > 1) {
+        const auto one = torch::arange(in.size(), torch::TensorOptions(torch::kInt64).device(device)) * group_size;
+        auto c = model.make_cache(in.size(), P + T);
+        const auto l = model.logits_cached(pids.index_select(0, one), pmask.index_select(0, one), c).select(1, P - 1);
+        const auto rows = torch::arange(B, torch::TensorOptions(torch::kInt64).device(device)).div(group_size, "floor");
+        return std::pair{l.index_select(0, rows), model.select_cache(c, rows)};
+      }
+    }
+    auto c = model.make_cache(B, P + T);
+    auto l = model.logits_cached(pids, pmask, c).select(1, P - 1);
+    return std::pair{l, std::move(c)};
+  };
+  auto [logits, cache] = prefill();  // (B, V), the cache after the prompts
   auto ids = torch::full({B, T}, in.pad_id, torch::TensorOptions(torch::kInt64).device(device));
   auto mask = torch::zeros({B, T}, torch::TensorOptions(torch::kFloat).device(device));
   auto logp = torch::zeros({B, T}, torch::TensorOptions(torch::kFloat).device(device));

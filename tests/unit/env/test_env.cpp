@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <limits>
 #include <numbers>
+#include <utility>
 #include <vector>
 
 #include <catch2/catch.hpp>
@@ -47,6 +48,34 @@ std::pair<std::array<double, 2>, double> gym_pendulum_step(std::array<double, 2>
   double thd = s[1] + (3 * 10.0 / 2.0 * std::sin(s[0]) + 3.0 * u) * 0.05;
   thd = std::clamp(thd, -8.0, 8.0);
   return {{s[0] + thd * 0.05, thd}, -cost};
+}
+
+// PPO on `venv` with the settings both training tests share (Adam eps 1e-5 at `lr` annealed
+// linearly over `total_steps`, max grad norm 0.5, seed 1) for `iterations` steps, `on_step`
+// called with each step's statistics. Returns the mean return of the last 20 episodes after the
+// first iteration and after the last.
+template <class Policy, class Env, class OnStep>
+std::pair<double, double> train_ppo(vector_env<Env>& venv, Policy policy, const unirl::algo::ppo<>::options& algo,
+                                    double lr, std::int64_t epochs, std::int64_t minibatches, std::int64_t total_steps,
+                                    std::int64_t iterations, OnStep&& on_step) {
+  using trainer_t = unirl::trainer<Policy, unirl::algo::ppo<>, unirl::rewards::environment_reward>;
+  trainer_t t{std::move(policy),
+              {},
+              {.algorithm = algo,
+               .optim = {.lr = lr, .eps = 1e-5},
+               .schedule = {.kind = unirl::train::schedule_kind::linear},
+               .clip = {.max_grad_norm = 0.5},
+               .epochs = epochs,
+               .minibatches = minibatches,
+               .seed = 1,
+               .progress = false,
+               .total_steps = total_steps}};
+  double first_return = 0;
+  for (std::int64_t it = 0; it < iterations; ++it) {
+    on_step(t.step(venv));
+    if (it == 0) first_return = venv.mean_recent_return(20);
+  }
+  return {first_return, venv.mean_recent_return(20)};
 }
 
 }  // namespace
@@ -465,60 +494,29 @@ TEST_CASE("PPO on the env track: GAE over (T, N) and an on-policy ratio of exact
 }
 
 TEST_CASE("PPO trains CartPole far above a random policy", "[cpu][env][slow]") {
-  using policy_t = unirl::models::categorical_actor_critic;
-  using trainer_t = unirl::trainer<policy_t, unirl::algo::ppo<>, unirl::rewards::environment_reward>;
   torch::set_num_threads(1);
   const std::int64_t iterations = 100;  // 51,200 environment steps
   vector_env<cartpole> venv({}, {.num_envs = 4, .seed = 1});
-  trainer_t t{policy_t(4, 2),
-              {},
-              {.algorithm = {.ent_coef = 0.01, .rollout_steps = 128},
-               .optim = {.lr = 2.5e-4, .eps = 1e-5},
-               .schedule = {.kind = unirl::train::schedule_kind::linear},
-               .clip = {.max_grad_norm = 0.5},
-               .epochs = 4,
-               .minibatches = 4,
-               .seed = 1,
-               .progress = false,
-               .total_steps = iterations}};
-  double first_return = 0;
-  for (std::int64_t it = 0; it < iterations; ++it) {
-    const auto s = t.step(venv);
-    CHECK(s.samples == 512);
-    CHECK(s.optimizer_steps == 16);
-    if (it == 0) first_return = venv.mean_recent_return(20);
-  }
-  const double final_return = venv.mean_recent_return(20);
+  const auto [first_return, final_return] =
+      train_ppo(venv, unirl::models::categorical_actor_critic(4, 2), {.ent_coef = 0.01, .rollout_steps = 128}, 2.5e-4,
+                4, 4, iterations, iterations, [](const unirl::step_stats& s) {
+                  CHECK(s.samples == 512);
+                  CHECK(s.optimizer_steps == 16);
+                });
   INFO("first iteration " << first_return << ", last 20 episodes " << final_return);
   CHECK(first_return < 50.0);   // a random policy balances ~22 steps
   CHECK(final_return > 100.0);  // learned
 }
 
 TEST_CASE("PPO with the Gaussian policy learns to swing Pendulum up", "[cpu][env][slow]") {
-  using policy_t = unirl::models::gaussian_actor_critic;
-  using trainer_t = unirl::trainer<policy_t, unirl::algo::ppo<>, unirl::rewards::environment_reward>;
-  torch::set_num_threads(1);
   // 4 copies x 512 steps, gamma 0.9, lr 1e-3 (annealed over a 195-iteration run), 10 epochs x
   // 32 minibatches, normalised observations and rewards: 30 iterations = 61,440 steps.
+  torch::set_num_threads(1);
   vector_env<pendulum> venv({}, {.num_envs = 4, .seed = 1, .normalize_observation = true,
                                  .normalize_reward = true, .reward_gamma = 0.9});
-  trainer_t t{policy_t(3, 1),
-              {},
-              {.algorithm = {.ent_coef = 0.0, .gamma = 0.9, .rollout_steps = 512},
-               .optim = {.lr = 1e-3, .eps = 1e-5},
-               .schedule = {.kind = unirl::train::schedule_kind::linear},
-               .clip = {.max_grad_norm = 0.5},
-               .epochs = 10,
-               .minibatches = 32,
-               .seed = 1,
-               .progress = false,
-               .total_steps = 195}};
-  double first_return = 0;
-  for (int it = 0; it < 30; ++it) {
-    t.step(venv);
-    if (it == 0) first_return = venv.mean_recent_return(20);
-  }
-  const double final_return = venv.mean_recent_return(20);
+  const auto [first_return, final_return] =
+      train_ppo(venv, unirl::models::gaussian_actor_critic(3, 1), {.ent_coef = 0.0, .gamma = 0.9, .rollout_steps = 512},
+                1e-3, 10, 32, 195, 30, [](const unirl::step_stats&) {});
   INFO("first iteration " << first_return << ", last 20 episodes " << final_return);
   CHECK(first_return < -900.0);   // a random policy loses ~1200 per episode
   CHECK(final_return > -700.0);   // swings up and holds most of the time (seeds 1-3: -360, -321, -551)

@@ -1,6 +1,10 @@
 // Hot ops: every implementation against the LibTorch reference, gradients against finite differences.
+#include <cmath>
+#include <limits>
+
 #include <catch2/catch.hpp>
 
+#include <unirl/ops/attention.hpp>
 #include <unirl/ops/logprob.hpp>
 
 namespace {
@@ -82,4 +86,88 @@ TEST_CASE("log-prob ops name bad shapes and targets", "[cpu][ops]") {
                     "unirl: token_logprob: logits must be (N, V), got shape [3]");
   CHECK_THROWS_WITH(unirl::ops::linear_logprob(torch::zeros({3, 4}), torch::zeros({5, 4}), torch::zeros({3}, torch::kInt64), 0),
                     "unirl: linear_logprob: chunk = 0: expected >= 1");
+}
+
+namespace {
+// A causal mask with some keys dropped per batch row: (B, 1, n, S), 0 or -inf, every query keeps a key.
+torch::Tensor attention_mask(std::int64_t B, std::int64_t n, std::int64_t S, torch::Dtype dtype) {
+  const auto inf = std::numeric_limits<double>::infinity();
+  auto allowed = torch::ones({B, 1, n, S}, torch::kBool).tril(S - n);
+  allowed.select(0, 0).select(2, 0).fill_(false);  // batch row 0 never sees key 0 (padding)
+  allowed.select(2, n - 1).fill_(true);             // the last query sees everything
+  for (std::int64_t i = 0; i < n; ++i) allowed.select(2, i).select(2, S - n + i).fill_(true);  // itself
+  return torch::zeros(allowed.sizes(), torch::dtype(dtype)).masked_fill(allowed.logical_not(), -inf);
+}
+}  // namespace
+
+TEST_CASE("fused attention equals the reference, values and gradients, with masks and strided inputs",
+          "[cpu][ops][attention]") {
+  torch::manual_seed(3);
+  for (auto dtype : {torch::kFloat64, torch::kFloat32}) {
+    const double tol = dtype == torch::kFloat64 ? 1e-12 : 1e-5;
+    const std::int64_t B = 3, H = 2, n = 5, S = 7, D = 8;
+    // q arrives as a permuted view (B, H, n, D) of (B, n, H, D), as in a transformer block
+    auto q = torch::randn({B, n, H, D}, torch::dtype(dtype)).requires_grad_(true);
+    auto k = torch::randn({B, H, S, D}, torch::dtype(dtype)).requires_grad_(true);
+    auto v = torch::randn({B, H, S, D}, torch::dtype(dtype)).requires_grad_(true);
+    const auto bias = attention_mask(B, n, S, dtype);
+    const auto g = torch::randn({B, H, n, D}, torch::dtype(dtype));
+    const double scale = 1.0 / std::sqrt(static_cast<double>(D));
+    for (const auto& b : {bias, torch::Tensor()}) {
+      const auto fused = unirl::ops::attention<unirl::exec::cpu>(q.permute({0, 2, 1, 3}), k, v, b, scale);
+      const auto ref = unirl::ops::attention<unirl::exec::reference>(q.permute({0, 2, 1, 3}), k, v, b, scale);
+      CHECK(max_diff(fused, ref) < tol);
+      const auto gf = torch::autograd::grad({(fused * g).sum()}, {q, k, v});
+      const auto gr = torch::autograd::grad({(ref * g).sum()}, {q, k, v});
+      for (int i = 0; i < 3; ++i) CHECK(max_diff(gf[static_cast<std::size_t>(i)], gr[static_cast<std::size_t>(i)]) < tol);
+    }
+    // masked keys get exactly no gradient through k and v (row 0's key 0 is seen by the last query only)
+    const auto only_last = torch::zeros({B, H, n, D}, torch::dtype(dtype));
+    only_last.slice(2, 0, n - 1).copy_(g.slice(2, 0, n - 1));
+    const auto out = unirl::ops::attention<unirl::exec::cpu>(q.permute({0, 2, 1, 3}), k, v, bias, scale);
+    const auto gk = torch::autograd::grad({(out * only_last).sum()}, {k})[0];
+    CHECK(gk[0].select(1, 0).abs().max().item<double>() == 0.0);
+  }
+}
+
+TEST_CASE("fused attention: hand-computed values, finite differences, a fully masked row, bad shapes",
+          "[cpu][ops][attention]") {
+  // one query q = 1, keys (1, 2), values (3, 5), scale 1: p = (1, e) / (1 + e), y = (3 + 5e) / (1 + e)
+  const auto q = torch::ones({1, 1, 1, 1}, torch::kFloat64);
+  const auto k = torch::tensor({1.0, 2.0}, torch::kFloat64).view({1, 1, 2, 1});
+  const auto v = torch::tensor({3.0, 5.0}, torch::kFloat64).view({1, 1, 2, 1});
+  const double e = std::exp(1.0);
+  CHECK(unirl::ops::attention<unirl::exec::cpu>(q, k, v, {}, 1.0).item<double>() ==
+        Approx((3 + 5 * e) / (1 + e)).epsilon(1e-12));
+  // masking the second key leaves the first value
+  const auto b = torch::tensor({0.0, -std::numeric_limits<double>::infinity()}, torch::kFloat64).view({1, 1, 1, 2});
+  CHECK(unirl::ops::attention<unirl::exec::cpu>(q, k, v, b, 1.0).item<double>() == 3.0);
+  // finite differences in q, k, v together
+  torch::manual_seed(4);
+  const auto x0 = torch::randn({2 * 2 * 3 * 4 + 2 * 2 * 5 * 4 * 2}, torch::kFloat64);
+  const auto bias = attention_mask(2, 3, 5, torch::kFloat64);
+  auto f = [&](const torch::Tensor& x) {
+    const auto qq = x.slice(0, 0, 48).view({2, 2, 3, 4});
+    const auto kk = x.slice(0, 48, 128).view({2, 2, 5, 4});
+    const auto vv = x.slice(0, 128, 208).view({2, 2, 5, 4});
+    const auto y = unirl::ops::attention<unirl::exec::cpu>(qq, kk, vv, bias, 0.5);
+    return (y * torch::arange(48, torch::kFloat64).view({2, 2, 3, 4}).cos()).sum();
+  };
+  auto xg = x0.clone().requires_grad_(true);
+  const auto analytic = torch::autograd::grad({f(xg)}, {xg})[0];
+  auto numeric = torch::zeros_like(x0);
+  const double h = 1e-6;
+  for (std::int64_t i = 0; i < x0.numel(); ++i) {
+    auto xp = x0.clone(), xm = x0.clone();
+    xp[i] += h;
+    xm[i] -= h;
+    numeric[i] = (f(xp).item<double>() - f(xm).item<double>()) / (2 * h);
+  }
+  CHECK(max_diff(analytic, numeric) < 1e-7);
+  // every key masked: NaN, as softmax over nothing in the reference
+  const auto none = torch::full({1, 1, 1, 2}, -std::numeric_limits<double>::infinity(), torch::kFloat64);
+  CHECK(std::isnan(unirl::ops::attention<unirl::exec::cpu>(q, k, v, none, 1.0).item<double>()));
+  CHECK(std::isnan(unirl::ops::attention<unirl::exec::reference>(q, k, v, none, 1.0).item<double>()));
+  CHECK_THROWS_WITH(unirl::ops::attention(q, k.view({1, 2, 1, 1}), v, {}, 1.0), Catch::Contains("must be (B, H, S, Dh)"));
+  CHECK_THROWS_WITH(unirl::ops::attention(q.view({1, 1, 1}), k, v, {}, 1.0), Catch::Contains("q, k, v must be"));
 }

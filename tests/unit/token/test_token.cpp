@@ -3,10 +3,12 @@
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
+#include <memory>
 #include <fstream>
 #include <random>
 #include <sstream>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include <catch2/catch.hpp>
@@ -430,10 +432,10 @@ TEST_CASE("sequence packing: one row without padding, positions restarting, same
   const auto pv = algo::detail::update_values(critic, b, true);
   CHECK((v - pv).abs().max().item<double>() <= 1e-5);
   CHECK_THROWS_WITH(m.logits_packed(p.ids, p.positions + 32, p.segments), Catch::Contains("max_len = 32"));
-  CHECK_THROWS_WITH(models::update_logprob(unpackable_gpt(m), b, 1.0, false, /*pack=*/true),
+  CHECK_THROWS_WITH(models::update_logprob(unpackable_gpt(m), b, 1.0, false, models::update_layout::packed),
                     Catch::Contains("pack_sequences = true"));
-  CHECK(((models::update_logprob(unpackable_gpt(m), b, 0.8, false, false).first - lp) * mask).abs().max()
-             .item<double>() == 0.0);
+  CHECK(((models::update_logprob(unpackable_gpt(m), b, 0.8, false, models::update_layout::padded).first - lp) * mask)
+            .abs().max().item<double>() == 0.0);
 }
 
 TEST_CASE("sequence packing: GRPO and PPO losses and gradients equal the padded path in every loss_agg mode",
@@ -485,4 +487,150 @@ TEST_CASE("sequence packing: GRPO and PPO losses and gradients equal the padded 
   const auto gp = all_grads(tp.total), gk = all_grads(tk.total);
   CHECK(max_abs(gp) > 1e-4);
   CHECK(max_diff(gp, gk) <= 1e-5);
+}
+
+namespace {
+// The built-in GPT without select_cache: no prefix sharing (the sampler prefills every row, the
+// shared_prompt layout runs padded).
+struct unshared_gpt : models::gpt {
+  explicit unshared_gpt(models::gpt g) : models::gpt(std::move(g)) {}
+  void select_cache() const = delete;
+  unshared_gpt clone() const { return unshared_gpt(models::gpt::clone()); }
+};
+static_assert(CausalLM<unshared_gpt> && !PrefixSharingCausalLM<unshared_gpt>);
+static_assert(PrefixSharingCausalLM<models::gpt>);
+
+// The built-in GPT counting the token rows it runs: full forwards and cached chunks.
+struct counting_gpt : models::gpt {
+  struct counts {
+    std::int64_t full_calls = 0, full_rows = 0, cached_rows = 0;
+  };
+  explicit counting_gpt(models::gpt g, std::shared_ptr<counts> c = std::make_shared<counts>())
+      : models::gpt(std::move(g)), n(std::move(c)) {}
+  torch::Tensor logits(const torch::Tensor& ids, const torch::Tensor& mask) const {
+    ++n->full_calls;
+    n->full_rows += ids.size(0);
+    return models::gpt::logits(ids, mask);
+  }
+  torch::Tensor logits_cached(const torch::Tensor& ids, const torch::Tensor& mask, models::kv_cache& c) const {
+    n->cached_rows += ids.size(0);
+    return models::gpt::logits_cached(ids, mask, c);
+  }
+  counting_gpt clone() const { return counting_gpt(models::gpt::clone(), n); }
+  std::shared_ptr<counts> n;
+};
+static_assert(PrefixSharingCausalLM<counting_gpt>);
+}  // namespace
+
+TEST_CASE("prefix sharing: the sampler prefills each prompt once and draws what the unshared sampler draws",
+          "[cpu][token][sampler][prefix]") {
+  auto m = small_gpt();
+  m.train(false);
+  torch::NoGradGuard ng;
+  const sampling_options so{.max_new_tokens = 7, .temperature = 0.9, .stop_tokens = {0}};
+  torch::manual_seed(21);
+  const auto shared = sample_tokens(m, ragged_prompts(), 4, so);
+  torch::manual_seed(21);
+  const auto alone = sample_tokens(unshared_gpt(m), ragged_prompts(), 4, so);
+  CHECK(torch::equal(shared.completion_ids, alone.completion_ids));
+  CHECK(torch::equal(shared.completion_mask, alone.completion_mask));
+  CHECK((shared.old_logp - alone.old_logp).abs().max().item<double>() <= 1e-5);
+  CHECK(torch::equal(shared.prompt_ids, alone.prompt_ids));
+  // the replay property still holds
+  const auto lp = models::completion_logprob(m, shared, 0.9, false).first * shared.completion_mask;
+  CHECK((lp - shared.old_logp).abs().max().item<double>() <= 1e-5);
+  // rows run: 3 prompt rows for the prefill, then 12 per decoded token
+  counting_gpt cm(m);
+  torch::manual_seed(21);
+  const auto counted = sample_tokens(cm, ragged_prompts(), 4, so);
+  CHECK(cm.n->cached_rows == 3 + 12 * (counted.completion_ids.size(1) - 1));
+  // kv_cache::select copies rows and checks its index
+  auto cache = m.make_cache(3, 8);
+  m.logits_cached(torch::tensor({{1L, 2L}, {3L, 4L}, {5L, 6L}}), torch::ones({3, 2}), cache);
+  const auto sel = cache.select(torch::tensor({2L, 2L, 0L}));
+  CHECK(torch::equal(sel.k[1][1], cache.k[1][2]));
+  CHECK(torch::equal(sel.v[0][2], cache.v[0][0]));
+  CHECK(sel.length == 2);
+  CHECK_THROWS_WITH(cache.select(torch::zeros({2, 2}, torch::kInt64)), Catch::Contains("index must be 1-D"));
+}
+
+TEST_CASE("prefix sharing: the update forward runs each distinct prompt once, same log-probs and gradients",
+          "[cpu][token][prefix]") {
+  torch::manual_seed(22);
+  auto m = small_gpt();
+  token_rollout b;
+  {
+    torch::NoGradGuard ng;
+    b = sample_tokens(m, ragged_prompts(), 4, {.max_new_tokens = 6, .stop_tokens = {0}});
+  }
+  REQUIRE(b.completion_mask.min().item<float>() == 0.f);  // some completions stopped early
+  // a shuffled minibatch: groups scattered, still 3 distinct prompts
+  const auto mb = b.select(torch::randperm(12, torch::kInt64).slice(0, 0, 9));
+  const auto d = models::find_distinct_prompts(mb);
+  CHECK(d.count() == 3);
+  CHECK(torch::equal(d.ids.index_select(0, d.inverse), mb.prompt_ids));
+  CHECK(torch::equal(d.mask.index_select(0, d.inverse), mb.prompt_mask));
+  const auto w = torch::randn(mb.completion_mask.sizes()) * mb.completion_mask;
+  auto objective = [&](const std::pair<torch::Tensor, torch::Tensor>& r) {
+    return (r.first * w).sum() + 0.3 * (r.second * w).sum();
+  };
+  const auto pad = models::completion_logprob(m, mb, 0.8, true);
+  counting_gpt cm(m);
+  const auto shr = models::shared_prompt_completion_logprob(cm, mb, 0.8, true);
+  CHECK(cm.n->full_calls == 0);
+  CHECK(cm.n->cached_rows == 3 + 9);  // the distinct prompts, then the completions
+  const auto mask = mb.completion_mask;
+  CHECK(((pad.first - shr.first) * mask).abs().max().item<double>() <= 1e-5);
+  CHECK(((pad.second - shr.second) * mask).abs().max().item<double>() <= 1e-5);
+  const auto gp = grads_of(m, objective(pad)), gs = grads_of(m, objective(shr));
+  CHECK(max_abs(gp) > 1e-3);
+  CHECK(max_diff(gp, gs) <= 1e-5);
+  // all prompts distinct: the padded forward runs
+  const auto solo = b.select(torch::tensor({0L, 4L, 8L}));
+  counting_gpt cs(m);
+  const auto r = models::update_logprob(cs, solo, 1.0, false, models::update_layout::shared_prompt);
+  CHECK(cs.n->full_calls == 1);
+  CHECK(((r.first - models::completion_logprob(m, solo, 1.0, false).first) * solo.completion_mask).abs().max()
+            .item<double>() == 0.0);
+  // a model without select_cache runs padded under the shared_prompt layout
+  const auto u = models::update_logprob(unshared_gpt(m), mb, 0.8, false, models::update_layout::shared_prompt);
+  CHECK(((u.first - pad.first) * mask).abs().max().item<double>() == 0.0);
+}
+
+TEST_CASE("grpo: share_prompt and reuse_on_policy_logp give the plain path's training with fewer forwards",
+          "[cpu][token][grpo][prefix]") {
+  const prompt_batch in{.tokens = {{2}, {3, 4}, {5}, {6, 7}}};
+  auto run = [&](bool fast, std::int64_t minibatches) {
+    torch::manual_seed(5);
+    counting_gpt m(small_gpt());
+    trainer<counting_gpt, algo::grpo<>, count_target> t{
+        m, count_target{},
+        {.algorithm = {.clip_high = 0.28, .agg = algo::loss_agg::token_mean, .reuse_on_policy_logp = fast,
+                       .share_prompt = fast, .sampling = {.max_new_tokens = 5, .stop_tokens = {0}}},
+         .optim = {.lr = 3e-3},
+         .group_size = 6,
+         .minibatches = minibatches,
+         .seed = 3,
+         .progress = false}};
+    std::vector<step_stats> st;
+    for (int s = 0; s < 3; ++s) st.push_back(t.step(in));
+    return std::tuple{st, t.models().policy.parameters(), *m.n};
+  };
+  const auto [fs, fw, fc] = run(true, 1);
+  const auto [ps, pw, pc] = run(false, 1);
+  for (std::size_t s = 0; s < fs.size(); ++s) {
+    CHECK(fs[s].ratio_mean == 1.0);  // pi_old is the update's own forward: exactly on-policy
+    CHECK(ps[s].ratio_mean == 1.0);
+    CHECK(fs[s].loss == Approx(ps[s].loss).margin(1e-5));
+    CHECK(fs[s].reward_mean == ps[s].reward_mean);
+    CHECK(fs[s].extra.at("sampler_logp_max_diff") <= 1e-5);
+  }
+  CHECK(max_diff(fw, pw) <= 1e-5);
+  // the fast path runs no full forward (no recompute, prompts shared); the plain one two per step
+  CHECK(fc.full_calls == 0);
+  CHECK(pc.full_calls == 6);
+  // two minibatches: pi_old is recomputed after sampling (the shared layout), ratio 1 on the first
+  const auto [ms, mw, mc] = run(true, 2);
+  CHECK(mc.full_calls == 0);
+  CHECK(ms[0].optimizer_steps == 2);
 }
