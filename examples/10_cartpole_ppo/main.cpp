@@ -3,8 +3,11 @@
 // value 0.5, max grad norm 0.5, Adam (eps 1e-5) at 2.5e-4 annealed linearly to 0, two tanh
 // layers of 64 with orthogonal init. CleanRL reports an episodic return of 490 +- 6 at 500k steps.
 //
-//   cartpole_ppo [--total-steps 500000] [--seed 2] [--out runs/cartpole_ppo] [key=value ...]
+//   cartpole_ppo [--total-steps 500000] [--seed 2] [--out runs/cartpole_ppo] [--save PATH]
+//                [--resume PATH] [key=value ...]
 //
+// --save PATH checkpoints the trainer and the vector of environments together (one atomic file)
+// every 50 iterations; --resume PATH continues such a run bit for bit (give it the same options).
 // key=value arguments override trainer options (e.g. optim.lr=3e-4, algorithm.ent_coef=0).
 // Writes <out>/summary.json: final_mean_return (mean of the last 20 finished episodes),
 // env_steps, seconds, steps_per_second, and <out>/metrics.jsonl (one line per iteration).
@@ -46,7 +49,7 @@ int main(int argc, char** argv) try {
   trainer_t t{policy_t(4, 2), {}, opts};
   std::cout << t.describe();
 
-  const double seconds = examples::train_env(t, venv, run.iterations, 50, [](std::ostream& os, const auto& s) {
+  const double seconds = examples::train_env(t, venv, run, 50, [](std::ostream& os, const auto& s) {
     os << "  policy_loss " << s.policy_loss << "  value_loss " << s.value_loss << "  entropy " << s.entropy << "  lr "
        << s.learning_rate;
   });

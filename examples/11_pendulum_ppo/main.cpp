@@ -13,8 +13,11 @@
 // +-10 (Gym's ClipAction / NormalizeObservation / NormalizeReward wrappers).
 //
 //   pendulum_ppo [--preset tuned|cleanrl] [--total-steps N] [--seed 1] [--num-envs N]
-//                [--out runs/pendulum_ppo] [key=value ...]
+//                [--out runs/pendulum_ppo] [--save PATH] [--resume PATH] [key=value ...]
 //
+// --save PATH checkpoints the trainer and the environments (their running normalisation
+// statistics included) together every 20 iterations; --resume PATH continues such a run bit for
+// bit (give it the same options).
 // key=value arguments override trainer options after the preset (e.g. algorithm.gamma=0.95).
 // Writes <out>/summary.json: final_mean_return (mean raw return of the last 20 episodes),
 // env_steps, seconds, steps_per_second; and <out>/metrics.jsonl.
@@ -77,7 +80,7 @@ int main(int argc, char** argv) try {
   trainer_t t{policy_t(3, 1), {}, opts};
   std::cout << t.describe();
 
-  const double seconds = examples::train_env(t, venv, run.iterations, 20, [](std::ostream& os, const auto& s) {
+  const double seconds = examples::train_env(t, venv, run, 20, [](std::ostream& os, const auto& s) {
     os << "  value_loss " << s.value_loss << "  entropy " << s.entropy << "  lr " << s.learning_rate;
   });
   examples::write_env_summary(run, "Pendulum-v1", venv, seconds, {{"preset", preset}});

@@ -73,7 +73,7 @@ evaluation evaluate(flow_t& policy, flow_t& reference, class_confidence& reward,
   torch::NoGradGuard ng;
   namespace rl = unirl::rollout;
   evaluation e;
-  torch::manual_seed(1234);
+  const examples::scoped_seed fixed_noise(1234);  // the run's own random stream is left as it was
   const auto labels = torch::arange(10, torch::kInt64).repeat_interleave(30);
   const auto noise = torch::randn({300, 1, 8, 8});
   const auto b = rl::sample_trajectory(rl::ode::euler({.steps = 20}), policy, labels, noise);
@@ -99,7 +99,7 @@ int run(const std::string& name, const typename Algo::options& algo, const examp
       .shape = {1, 8, 8}, .num_classes = 10, .hidden = opt.hidden, .depth = 3, .embed_dim = 64});
   flow_t pretrained(net, {1, 8, 8});
   const double pretrain_seconds = examples::pretrain_cached(
-      net, root + "/pretrained_flow_h" + std::to_string(opt.hidden) + ".pt",
+      net, root + "/pretrained_flow_h" + std::to_string(opt.hidden) + "_s" + std::to_string(opt.seed) + ".pt",
       {.iterations = opt.pretrain_iters, .lr = 1e-3, .log_every = 1000, .what = "flow"}, [&](std::int64_t) {
         const auto idx = torch::randint(0, setup.images.size(0), {256}, torch::kInt64);
         return pretrained.flow_matching_loss(setup.images.index_select(0, idx), setup.labels.index_select(0, idx), 0.1);

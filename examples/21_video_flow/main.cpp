@@ -128,7 +128,7 @@ evaluation evaluate(video_t& policy, video_t& reference, examples::digit_classif
   torch::NoGradGuard ng;
   namespace rl = unirl::rollout;
   evaluation e;
-  torch::manual_seed(4321);
+  const examples::scoped_seed fixed_noise(4321);  // the run's own random stream is left as it was
   const auto labels = torch::arange(10, torch::kInt64).repeat_interleave(10);
   const auto noise = torch::randn({100, kFrames, 1, kCanvas, kCanvas});
   const auto b = rl::sample_trajectory(rl::ode::euler({.steps = 16}), policy, labels, noise);

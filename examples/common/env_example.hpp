@@ -1,7 +1,8 @@
 #pragma once
 // Shared by the environment examples (10_cartpole_ppo, 11_pendulum_ppo): the command line
-// (--total-steps, --seed, --num-envs, --out, key=value trainer options), the training loop with
-// its progress lines, and summary.json.
+// (--total-steps, --seed, --num-envs, --out, --save, --resume, key=value trainer options), the
+// training loop with its progress lines and checkpoints (model and environments in one file),
+// and summary.json.
 #include <chrono>
 #include <cstdint>
 #include <filesystem>
@@ -26,9 +27,12 @@ struct env_run {
   std::int64_t num_envs = 1;
   std::string out;
   std::int64_t iterations = 0;  // total_env_steps / (num_envs * rollout_steps)
+  std::string save;             // --save PATH: checkpoint (trainer + vector_env) at each report and at the end
+  std::string resume;           // --resume PATH: continue the run a --save checkpoint holds
 };
 
-/// Parses `[--total-steps N] [--seed S] [--num-envs N] [--out DIR] [key=value ...]` (key=value
+/// Parses `[--total-steps N] [--seed S] [--num-envs N] [--out DIR] [--save PATH] [--resume PATH]
+/// [key=value ...]` (key=value
 /// overrides the trainer options `opts`; `extra_flags` are further flags the example reads
 /// itself, with their defaults), runs LibTorch on one thread (tiny networks: fastest, as in CleanRL's
 /// runs), and fits `opts` to the run: its seed, `total_steps` = the iterations (schedules anneal
@@ -44,13 +48,17 @@ env_run parse_env_run(TrainerOptions& opts, int argc, char** argv, env_run defau
   known.insert({{"total-steps", std::to_string(defaults.total_env_steps)},
                 {"seed", std::to_string(defaults.seed)},
                 {"num-envs", std::to_string(defaults.num_envs)},
-                {"out", defaults.out}});
+                {"out", defaults.out},
+                {"save", defaults.save},
+                {"resume", defaults.resume}});
   auto parsed = unirl::options::parse_command_line(opts, argc, argv, known);
   env_run r;
   r.total_env_steps = unirl::options::parse_value<std::int64_t>("--total-steps", parsed["total-steps"]);
   r.seed = unirl::options::parse_value<std::int64_t>("--seed", parsed["seed"]);
   r.num_envs = unirl::options::parse_value<std::int64_t>("--num-envs", parsed["num-envs"]);
   r.out = parsed["out"];
+  r.save = parsed["save"];
+  r.resume = parsed["resume"];
   torch::set_num_threads(1);
 
   r.iterations = r.total_env_steps / (r.num_envs * opts.algorithm.rollout_steps);
@@ -61,19 +69,26 @@ env_run parse_env_run(TrainerOptions& opts, int argc, char** argv, env_run defau
   return r;
 }
 
-/// Runs `iterations` trainer steps on `venv`; every `every` iterations and after the last prints
-/// `iteration i/N  env_steps ..  mean_return(last 20) ..` followed by what `report(os, stats)`
-/// writes. Returns the seconds the loop took.
+/// Runs the trainer on `venv` up to `run.iterations` steps; every `every` iterations and after the
+/// last prints `iteration i/N  env_steps ..  mean_return(last 20) ..` followed by what
+/// `report(os, stats)` writes. With `run.resume` it first loads that checkpoint into the trainer
+/// and `venv` (and continues from its iteration); with `run.save` it checkpoints both at each
+/// report. Returns the seconds the loop took.
 template <class Trainer, class VectorEnv, class Report>
-double train_env(Trainer& t, VectorEnv& venv, std::int64_t iterations, std::int64_t every, Report&& report) {
+double train_env(Trainer& t, VectorEnv& venv, const env_run& run, std::int64_t every, Report&& report) {
+  if (!run.resume.empty()) {
+    t.load(run.resume, venv);
+    std::cout << "resumed from " << run.resume << " at iteration " << t.step_count() << std::endl;
+  }
   const auto start = std::chrono::steady_clock::now();
-  for (std::int64_t it = 0; it < iterations; ++it) {
+  for (std::int64_t it = t.step_count(); it < run.iterations; ++it) {
     const auto s = t.step(venv);
-    if ((it + 1) % every == 0 || it + 1 == iterations) {
-      std::cout << "iteration " << it + 1 << "/" << iterations << "  env_steps " << venv.env_steps()
+    if ((it + 1) % every == 0 || it + 1 == run.iterations) {
+      std::cout << "iteration " << it + 1 << "/" << run.iterations << "  env_steps " << venv.env_steps()
                 << "  mean_return(last 20) " << venv.mean_recent_return(20);
       report(std::cout, s);
       std::cout << std::endl;
+      if (!run.save.empty()) t.save(run.save, venv);
     }
   }
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();

@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <mutex>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -32,6 +33,28 @@
 #include "common/digits.hpp"
 
 namespace examples {
+
+/// Seeds LibTorch's default CPU generator for the scope (fixed evaluation noise) and restores its
+/// state afterwards, so an evaluation between training steps leaves the run's random stream as
+/// it was: the run's `seed` alone decides its draws.
+class scoped_seed {
+ public:
+  explicit scoped_seed(std::uint64_t seed) : gen_(at::detail::getDefaultCPUGenerator()) {
+    std::lock_guard<std::mutex> lock(gen_.mutex());
+    state_ = gen_.get_state();
+    gen_.set_current_seed(seed);
+  }
+  ~scoped_seed() {
+    std::lock_guard<std::mutex> lock(gen_.mutex());
+    gen_.set_state(state_);
+  }
+  scoped_seed(const scoped_seed&) = delete;
+  scoped_seed& operator=(const scoped_seed&) = delete;
+
+ private:
+  at::Generator gen_;
+  torch::Tensor state_;
+};
 
 /// An MLP on 8x8 digits in [-1, 1]: 64 -> 128 -> 64 (features) -> 10.
 class digit_classifierImpl : public torch::nn::Module {

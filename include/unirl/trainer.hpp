@@ -14,11 +14,17 @@
 /// ```
 /// The trainer builds only what the algorithm declares it needs (`requires_reference`,
 /// `requires_critic`, `requires_ema_rollout`), owns the optimizer (AdamW with parameter groups),
-/// the learning-rate schedule, gradient clipping, the stability guard, metrics and checkpoints.
+/// the learning-rate schedule, gradient clipping, the stability guard, metrics and checkpoints
+/// (with `save(path, extras...)` / `load(path, extras...)` for states that must resume with the
+/// model, such as the environments: `unirl::Checkpointable`). With a data-parallel strategy every
+/// rank starts from rank 0's parameters and buffers, and rank 0's buffers are broadcast after
+/// every weight sync.
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <iostream>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -149,15 +155,25 @@ class trainer {
         guard_(opts_.guard) {
     torch::manual_seed(static_cast<std::uint64_t>(opts_.seed + parallel_.rank()));
     models_.policy.to(device_);
+    if constexpr (Algorithm::requires_critic && CriticFactory<Model>) {
+      models_.critic.emplace(models_.policy.make_critic());
+      models_.critic->to(device_);
+    }
+    // Every rank starts from rank 0's parameters (trainable or frozen) and buffers, before the
+    // reference and EMA copies are made from the policy.
+    {
+      std::vector<torch::Tensor> state;
+      for (auto& [n, t] : trainable_state()) {
+        (void)n;
+        state.push_back(t);
+      }
+      parallel_.broadcast(state, 0);
+    }
     if constexpr (Algorithm::requires_reference) {
       bool use = true;
       if constexpr (requires(const Algorithm& a) { { a.uses_reference() } -> std::convertible_to<bool>; })
         use = algorithm_.uses_reference();
       if (use) models_.reference.emplace(frozen_copy(models_.policy));
-    }
-    if constexpr (Algorithm::requires_critic && CriticFactory<Model>) {
-      models_.critic.emplace(models_.policy.make_critic());
-      models_.critic->to(device_);
     }
     if constexpr (Algorithm::requires_ema_rollout) models_.ema.emplace(frozen_copy(models_.policy));
 
@@ -169,7 +185,6 @@ class trainer {
       if (t.requires_grad()) params_.push_back(t);
     }
     UNIRL_CHECK(!params_.empty(), "trainer: the model has no trainable parameters");
-    parallel_.broadcast(params_, 0);
     optimizer_ = std::make_unique<train::optimizer>(named, opts_.optim);
   }
 
@@ -225,6 +240,7 @@ class trainer {
     }
     const auto t4 = clock::now();
     parallel_.sync_weights(models_.policy.parameters());
+    sync_buffers();
     const auto t5 = clock::now();
 
     s.time_sample = seconds(t0, t1);
@@ -241,8 +257,18 @@ class trainer {
   }
 
   /// Writes a checkpoint atomically (temporary file, then rename): models, optimizer, guard,
-  /// RNG states, step, options and the algorithm's own state.
-  void save(const std::string& path) const {
+  /// RNG states, step, options, the algorithm's own state, and each of `extras` (every one a
+  /// `Checkpointable`, e.g. the `envs::vector_env` the run steps) under `extra.<i>` in the same
+  /// file, so that the model and its environments can never be out of step.
+  /// ```cpp
+  /// t.save("run/ckpt.pt", venv);   // resume: t.load("run/ckpt.pt", venv);
+  /// ```
+  template <class... Extras>
+  void save(const std::string& path, const Extras&... extras) const {
+    static_assert((Checkpointable<Extras> && ...),
+                  "unirl::trainer::save: every extra must model unirl::Checkpointable: "
+                  "void save(torch::serialize::OutputArchive&) const and void load(torch::serialize::InputArchive&) "
+                  "(e.g. unirl::envs::vector_env of a checkpointable environment)");
     train::write_checkpoint(path, [&](torch::serialize::OutputArchive& a) {
       a.write("unirl.format", torch::tensor(std::int64_t{1}));
       a.write("unirl.step", torch::tensor(step_));
@@ -263,13 +289,30 @@ class trainer {
       }
       train::save_rng(a);
       a.write("options", text_tensor(::unirl::options::to_json(opts_).dump()));
+      train::write_scalar(a, "unirl.extras", static_cast<std::int64_t>(sizeof...(Extras)));
+      std::size_t i = 0;
+      (
+          [&] {
+            torch::serialize::OutputArchive sub;
+            extras.save(sub);
+            a.write("extra." + std::to_string(i++), sub);
+          }(),
+          ...);
     });
   }
 
-  /// Restores a checkpoint written by `save`; training continues bit for bit on CPU.
-  /// A missing, truncated or corrupted file throws `checkpoint_error`.
-  void load(const std::string& path) {
+  /// Restores a checkpoint written by `save`, and each of `extras` from what the same position of
+  /// `save`'s extras wrote; training continues bit for bit on CPU. A missing, truncated or
+  /// corrupted file throws `checkpoint_error`, and so does a number of extras other than the one
+  /// the checkpoint was saved with (before anything is changed), naming what is missing.
+  template <class... Extras>
+  void load(const std::string& path, Extras&... extras) {
+    static_assert((Checkpointable<Extras> && ...),
+                  "unirl::trainer::load: every extra must model unirl::Checkpointable: "
+                  "void save(torch::serialize::OutputArchive&) const and void load(torch::serialize::InputArchive&) "
+                  "(e.g. a non-const unirl::envs::vector_env of a checkpointable environment)");
     train::read_checkpoint(path, [&](torch::serialize::InputArchive& a) {
+      check_extras(a, static_cast<std::int64_t>(sizeof...(Extras)));
       torch::Tensor t;
       a.read("unirl.step", t);
       step_ = t.item<std::int64_t>();
@@ -289,6 +332,13 @@ class trainer {
         algorithm_.load(alg);
       }
       train::load_rng(a);
+      std::size_t i = 0;
+      (
+          [&] {
+            auto sub = train::read_archive(a, "extra." + std::to_string(i++), "trainer::load");
+            extras.load(sub);
+          }(),
+          ...);
     });
     resumed_ = true;
   }
@@ -327,6 +377,53 @@ class trainer {
     for (auto& p : c.parameters()) p.set_requires_grad(false);
     c.train(false);
     return c;
+  }
+
+  // Throws unless the checkpoint holds exactly `given` extras (checkpoints of older builds: none).
+  static void check_extras(torch::serialize::InputArchive& a, std::int64_t given) {
+    const std::int64_t stored =
+        train::has_key(a, "unirl.extras") ? train::read_scalar<std::int64_t>(a, "unirl.extras") : 0;
+    if (stored == given) return;
+    const auto names = [](std::int64_t from, std::int64_t to) {
+      std::string s;
+      for (std::int64_t i = from; i < to; ++i) s += (i > from ? ", " : "") + ("extra." + std::to_string(i));
+      return s;
+    };
+    if (stored > given)
+      throw checkpoint_error("trainer::load: the checkpoint holds " + std::to_string(stored) +
+                             " extra state(s) saved with the model (e.g. the vector_env), but load was given " +
+                             std::to_string(given) + ": " + names(given, stored) +
+                             " would be lost; pass the same objects to load(path, ...) as to save(path, ...)");
+    throw checkpoint_error("trainer::load: load was given " + std::to_string(given) +
+                           " extra state(s), but the checkpoint holds " + std::to_string(stored) + ": " +
+                           names(stored, given) + " is missing from the checkpoint; pass the same objects to "
+                           "load(path, ...) as to save(path, ...)");
+  }
+
+  // The policy's (and critic's) parameters and buffers: what rank 0 broadcasts at construction.
+  named_tensors trainable_state() const {
+    named_tensors all = state_of(models_.policy);
+    if constexpr (Algorithm::requires_critic && CriticFactory<Model>)
+      for (auto& [n, t] : state_of(*models_.critic)) all.emplace_back("critic." + n, t);
+    return all;
+  }
+
+  // Buffers (BatchNorm statistics, any registered buffer) change with each rank's own data and
+  // get no gradient all-reduce: rank 0's are broadcast after every weight sync, as PyTorch's DDP
+  // does with broadcast_buffers. Looked up each time, so a module that replaces a buffer is seen.
+  void sync_buffers() {
+    if (parallel_.world_size() <= 1) return;
+    std::vector<torch::Tensor> buffers;
+    for (auto& [n, b] : models_.policy.named_buffers()) {
+      (void)n;
+      buffers.push_back(b);
+    }
+    if constexpr (Algorithm::requires_critic && CriticFactory<Model>)
+      for (auto& [n, b] : models_.critic->named_buffers()) {
+        (void)n;
+        buffers.push_back(b);
+      }
+    if (!buffers.empty()) parallel_.broadcast(buffers, 0);
   }
 
   template <class T>

@@ -19,6 +19,7 @@
 #include <unirl/concepts/environment.hpp>
 #include <unirl/core/error.hpp>
 #include <unirl/envs/episodic_env.hpp>
+#include <unirl/train/checkpoint.hpp>
 
 namespace unirl::envs {
 
@@ -52,7 +53,8 @@ class cartpole : public episodic_env<cartpole, std::array<double, 4>> {
   action_space_type action_space() const { return {2}; }
 
   // reset(seed): the state is drawn uniformly from [-0.05, 0.05]^4 by a generator seeded with
-  // `seed`; reset_to(state), state(), elapsed_steps(), max_episode_steps(): see episodic_env.
+  // `seed`; reset_to(state), state(), elapsed_steps(), max_episode_steps(), save / load: see
+  // episodic_env.
 
   /// Advances one tau. Throws for an action other than 0 or 1 and for a step after the end of an episode.
   step_result<observation_type> step(const action_type& action) {
@@ -89,5 +91,6 @@ class cartpole : public episodic_env<cartpole, std::array<double, 4>> {
   }
 };
 static_assert(DiscreteEnvironment<cartpole>);
+static_assert(Checkpointable<cartpole>);
 
 }  // namespace unirl::envs

@@ -6,7 +6,9 @@
 /// of the episode) and termination / truncation after it. `Derived` provides
 /// `state_type draw_state(std::mt19937_64&)` (the initial state of `reset(seed)`) and
 /// `observation_type observe() const` (of `state()`), and calls `check_running` and `advance` in
-/// its `step`.
+/// its `step`. `save` / `load` (the `unirl::Checkpointable` concept) carry the whole episode state
+/// — the state, the step count, the episode flags, the time limit and the generator — through a
+/// checkpoint; a `Derived` with state of its own overrides both and calls these.
 ///
 /// ```cpp
 /// class coin : public unirl::envs::episodic_env<coin, std::array<double, 1>> {
@@ -14,9 +16,16 @@
 /// };
 /// ```
 #include <cstdint>
+#include <cstring>
 #include <random>
+#include <sstream>
+#include <string>
+#include <type_traits>
+
+#include <torch/torch.h>
 
 #include <unirl/core/error.hpp>
+#include <unirl/train/checkpoint.hpp>
 
 namespace unirl::envs {
 
@@ -43,9 +52,60 @@ class episodic_env {
   std::int64_t elapsed_steps() const { return steps_; }
   std::int64_t max_episode_steps() const { return max_steps_; }
 
+  /// Writes the environment's name, time limit, state, step count, episode flags and the state of
+  /// its generator, so that `load` continues the episode bit for bit.
+  void save(torch::serialize::OutputArchive& a) const {
+    train::write_scalar(a, "env", std::string(name_));
+    train::write_scalar(a, "max_episode_steps", max_steps_);
+    auto bytes = torch::empty({static_cast<std::int64_t>(sizeof(State))}, torch::kUInt8);
+    std::memcpy(bytes.data_ptr<std::uint8_t>(), &state_, sizeof(State));
+    a.write("state", bytes, /*is_buffer=*/true);
+    std::ostringstream rng;
+    rng << rng_;
+    train::write_scalar(a, "rng", rng.str());
+    train::write_scalar(a, "elapsed_steps", steps_);
+    train::write_scalar(a, "started", started_);
+    train::write_scalar(a, "done", done_);
+    train::write_scalar(a, "terminated", terminated_);
+  }
+
+  /// Restores what `save` wrote. An archive of another environment (its name differs), or with a
+  /// missing or malformed entry, throws `unirl::checkpoint_error` and leaves this one unchanged.
+  void load(torch::serialize::InputArchive& a) {
+    const auto name = train::read_scalar<std::string>(a, "env");
+    if (name != name_)
+      throw checkpoint_error(std::string(name_) + "::load: the checkpoint holds a '" + name +
+                             "' environment; expected '" + name_ + "'");
+    const auto max_steps = train::read_scalar<std::int64_t>(a, "max_episode_steps");
+    const auto bytes = train::read_tensor(a, "state", name_).contiguous();
+    if (bytes.scalar_type() != torch::kUInt8 || bytes.numel() != static_cast<std::int64_t>(sizeof(State)))
+      throw checkpoint_error(std::string(name_) + "::load: the stored state has " + std::to_string(bytes.numel()) +
+                             " bytes; expected " + std::to_string(sizeof(State)));
+    std::mt19937_64 rng;
+    std::istringstream text(train::read_scalar<std::string>(a, "rng"));
+    text >> rng;
+    if (!text) throw checkpoint_error(std::string(name_) + "::load: the stored generator state is malformed");
+    const auto steps = train::read_scalar<std::int64_t>(a, "elapsed_steps");
+    const bool started = train::read_scalar<bool>(a, "started"), done = train::read_scalar<bool>(a, "done"),
+               terminated = train::read_scalar<bool>(a, "terminated");
+    if (max_steps < 1 || steps < 0)
+      throw checkpoint_error(std::string(name_) + "::load: max_episode_steps = " + std::to_string(max_steps) +
+                             ", elapsed_steps = " + std::to_string(steps) + "; expected >= 1 and >= 0");
+    std::memcpy(&state_, bytes.data_ptr<std::uint8_t>(), sizeof(State));
+    max_steps_ = max_steps;
+    rng_ = rng;
+    steps_ = steps;
+    started_ = started;
+    done_ = done;
+    terminated_ = terminated;
+  }
+
  protected:
+  static_assert(std::is_trivially_copyable_v<State>,
+                "unirl::envs::episodic_env: State must be trivially copyable (it is checkpointed as bytes)");
+
   /// `name` (e.g. "cartpole") prefixes the error for a `max_episode_steps` below 1.
-  episodic_env(const char* name, std::int64_t max_episode_steps) : max_steps_(max_episode_steps) {
+  episodic_env(const char* name, std::int64_t max_episode_steps) : name_(name), max_steps_(max_episode_steps) {
     UNIRL_CHECK(max_episode_steps >= 1, name, ": max_episode_steps = ", max_episode_steps, ": expected >= 1");
   }
 
@@ -76,6 +136,7 @@ class episodic_env {
     return static_cast<const Derived&>(*this).observe();
   }
 
+  const char* name_;
   std::int64_t max_steps_;
   State state_{};
   std::mt19937_64 rng_{0};

@@ -21,6 +21,7 @@
 #include <unirl/concepts/environment.hpp>
 #include <unirl/core/error.hpp>
 #include <unirl/envs/episodic_env.hpp>
+#include <unirl/train/checkpoint.hpp>
 
 namespace unirl::envs {
 
@@ -60,7 +61,8 @@ class pendulum : public episodic_env<pendulum, std::array<double, 2>> {
   }
 
   // reset(seed): theta ~ U[-pi, pi], theta_dot ~ U[-1, 1] from a generator seeded with `seed`;
-  // reset_to({theta, theta_dot}), state(), elapsed_steps(), max_episode_steps(): see episodic_env.
+  // reset_to({theta, theta_dot}), state(), elapsed_steps(), max_episode_steps(), save / load: see
+  // episodic_env.
 
   /// Applies torque `u` for dt. Throws for a NaN or out-of-range torque and for a step after the end.
   step_result<observation_type> step(const action_type& action) {
@@ -90,5 +92,6 @@ class pendulum : public episodic_env<pendulum, std::array<double, 2>> {
   }
 };
 static_assert(ContinuousEnvironment<pendulum>);
+static_assert(Checkpointable<pendulum>);
 
 }  // namespace unirl::envs

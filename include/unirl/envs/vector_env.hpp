@@ -6,12 +6,16 @@
 /// episode's return and length (Gym's `RecordEpisodeStatistics`, on the raw rewards), and can
 /// clip box actions into the space (`ClipAction`) and normalise observations and rewards with
 /// running statistics (`NormalizeObservation`, `NormalizeReward`, each followed by a clip).
+/// `save` / `load` (`unirl::Checkpointable` when `E` is) carry all of it — options, each copy's
+/// state and generator, the episode accumulators and records, the running statistics — so a run
+/// resumed with `trainer::load(path, venv)` continues bit for bit.
 ///
 /// ```cpp
 /// unirl::envs::vector_env<unirl::envs::cartpole> venv({}, {.num_envs = 4, .seed = 1});
 /// auto obs = venv.observations();                          // (4, 4) float
 /// auto out = venv.step(torch::ones({4}, torch::kLong));    // out.rewards (4,), out.dones (4,)
 /// double r = venv.mean_recent_return(20);                  // NaN until an episode ends
+/// t.save("run/ckpt.pt", venv);                             // model and environments together
 /// ```
 #include <algorithm>
 #include <array>
@@ -19,14 +23,18 @@
 #include <cstdint>
 #include <limits>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include <boost/hana.hpp>
+#include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
 #include <unirl/concepts/environment.hpp>
 #include <unirl/core/error.hpp>
 #include <unirl/core/options.hpp>
+#include <unirl/train/checkpoint.hpp>
 
 namespace unirl::envs {
 
@@ -48,6 +56,13 @@ struct vector_env_options {
     options::require(reward_clip > 0, prefix + "reward_clip", reward_clip, "> 0");
   }
 };
+
+}  // namespace unirl::envs
+
+BOOST_HANA_ADAPT_STRUCT(unirl::envs::vector_env_options, num_envs, seed, clip_actions, normalize_observation,
+                        observation_clip, normalize_reward, reward_gamma, reward_clip);
+
+namespace unirl::envs {
 
 /// One finished episode: undiscounted raw return, length in steps, and which copy ran it.
 struct episode_record {
@@ -147,6 +162,120 @@ class vector_env {
   /// Running observation statistics (meaningful when `normalize_observation`).
   const running_mean_std& observation_statistics() const { return obs_rms_; }
 
+  /// Writes everything `load` needs to continue this vector bit for bit: the options (the seed
+  /// later episodes derive from, the normalisation settings), each copy's environment state and
+  /// generator (`E::save`, under `env.<i>`), the current observations and done flags, the
+  /// per-copy return / length / episode counters and discounted returns, every finished episode,
+  /// the running observation and return statistics and the step count.
+  void save(torch::serialize::OutputArchive& a) const
+    requires Checkpointable<E>
+  {
+    train::write_scalar(a, "vector_env.format", std::int64_t{1});
+    train::write_scalar(a, "options", ::unirl::options::to_json(opts_).dump());
+    train::write_scalar(a, "observation_size", observation_size);
+    for (std::size_t i = 0; i < envs_.size(); ++i) {
+      torch::serialize::OutputArchive env;
+      envs_[i].save(env);
+      a.write("env." + std::to_string(i), env);
+    }
+    a.write("raw_observations", raw_obs_, true);
+    a.write("observations", obs_, true);
+    a.write("dones", dones_, true);
+    a.write("returns", to_tensor(returns_), true);
+    a.write("lengths", to_tensor(lengths_), true);
+    a.write("episode_counter", to_tensor(episode_counter_), true);
+    a.write("discounted", to_tensor(discounted_), true);
+    std::vector<double> ep_return;
+    std::vector<std::int64_t> ep_length, ep_env;
+    for (const auto& e : episodes_) {
+      ep_return.push_back(e.episode_return);
+      ep_length.push_back(e.length);
+      ep_env.push_back(e.env_index);
+    }
+    a.write("episodes.return", to_tensor(ep_return), true);
+    a.write("episodes.length", to_tensor(ep_length), true);
+    a.write("episodes.env", to_tensor(ep_env), true);
+    a.write("obs_rms.mean", obs_rms_.mean, true);
+    a.write("obs_rms.var", obs_rms_.var, true);
+    train::write_scalar(a, "obs_rms.count", obs_rms_.count);
+    a.write("ret_rms.mean", ret_rms_.mean, true);
+    a.write("ret_rms.var", ret_rms_.var, true);
+    train::write_scalar(a, "ret_rms.count", ret_rms_.count);
+    train::write_scalar(a, "env_steps", env_steps_);
+  }
+
+  /// Restores what `save` wrote, options included: a vector built with any options (another
+  /// seed, another number of copies) continues the saved one. Each copy is a copy of this
+  /// vector's first environment, then loaded. An archive of another environment type or with a
+  /// missing or inconsistent entry throws `unirl::checkpoint_error` naming it, and leaves this
+  /// vector unchanged.
+  void load(torch::serialize::InputArchive& a)
+    requires Checkpointable<E>
+  {
+    const std::string what = "vector_env::load";
+    const auto format = train::read_scalar<std::int64_t>(a, "vector_env.format");
+    if (format != 1)
+      throw checkpoint_error(what + ": format " + std::to_string(format) + "; this build reads format 1");
+    const auto obs_size = train::read_scalar<std::int64_t>(a, "observation_size");
+    if (obs_size != observation_size)
+      throw checkpoint_error(what + ": the checkpoint's observations have " + std::to_string(obs_size) +
+                             " components; this environment's have " + std::to_string(observation_size));
+    vector_env_options o;
+    try {
+      ::unirl::options::from_json(o, nlohmann::json::parse(train::read_scalar<std::string>(a, "options")));
+      o.validate("vector_env.");
+    } catch (const checkpoint_error&) {
+      throw;
+    } catch (const std::exception& e) {
+      throw checkpoint_error(what + ": the stored options are invalid: " + e.what());
+    }
+    const auto n = static_cast<std::size_t>(o.num_envs);
+    std::vector<E> envs(n, envs_.front());
+    for (std::size_t i = 0; i < n; ++i) {
+      auto sub = train::read_archive(a, "env." + std::to_string(i), what);
+      envs[i].load(sub);
+    }
+    const auto obs_shape = std::vector<std::int64_t>{o.num_envs, observation_size};
+    auto raw = checked(a, "raw_observations", torch::kFloat, obs_shape);
+    auto obs = checked(a, "observations", torch::kFloat, obs_shape);
+    auto dones = checked(a, "dones", torch::kFloat, {o.num_envs});
+    const auto returns = from_tensor<double>(checked(a, "returns", torch::kDouble, {o.num_envs}));
+    const auto lengths = from_tensor<std::int64_t>(checked(a, "lengths", torch::kLong, {o.num_envs}));
+    const auto counter = from_tensor<std::int64_t>(checked(a, "episode_counter", torch::kLong, {o.num_envs}));
+    const auto discounted = from_tensor<double>(checked(a, "discounted", torch::kDouble, {o.num_envs}));
+    const auto ep_return = from_tensor<double>(train::read_tensor(a, "episodes.return", what));
+    const auto ep_length = from_tensor<std::int64_t>(checked(a, "episodes.length", torch::kLong,
+                                                             {static_cast<std::int64_t>(ep_return.size())}));
+    const auto ep_env = from_tensor<std::int64_t>(checked(a, "episodes.env", torch::kLong,
+                                                          {static_cast<std::int64_t>(ep_return.size())}));
+    running_mean_std obs_rms(observation_size), ret_rms(1);
+    obs_rms.mean = checked(a, "obs_rms.mean", torch::kDouble, {observation_size});
+    obs_rms.var = checked(a, "obs_rms.var", torch::kDouble, {observation_size});
+    obs_rms.count = train::read_scalar<double>(a, "obs_rms.count");
+    ret_rms.mean = checked(a, "ret_rms.mean", torch::kDouble, {1});
+    ret_rms.var = checked(a, "ret_rms.var", torch::kDouble, {1});
+    ret_rms.count = train::read_scalar<double>(a, "ret_rms.count");
+    const auto env_steps = train::read_scalar<std::int64_t>(a, "env_steps");
+
+    opts_ = o;
+    envs_ = std::move(envs);
+    raw_obs_ = std::move(raw);
+    obs_ = std::move(obs);
+    dones_ = std::move(dones);
+    returns_ = returns;
+    lengths_ = lengths;
+    episode_counter_ = counter;
+    discounted_ = discounted;
+    episodes_.clear();
+    for (std::size_t i = 0; i < ep_return.size(); ++i) episodes_.push_back({ep_return[i], ep_length[i], ep_env[i]});
+    obs_rms_ = std::move(obs_rms);
+    ret_rms_ = std::move(ret_rms);
+    env_steps_ = env_steps;
+  }
+
+  /// Running return statistics (meaningful when `normalize_reward`).
+  const running_mean_std& return_statistics() const { return ret_rms_; }
+
   /// Steps every copy. `actions`: (N,) integers for a discrete space, (N, A) floats for a box.
   vector_step step(const torch::Tensor& actions) {
     const auto n = opts_.num_envs;
@@ -208,6 +337,31 @@ class vector_env {
   }
 
  private:
+  template <class T>
+  static torch::Tensor to_tensor(const std::vector<T>& v) {
+    auto t = torch::empty({static_cast<std::int64_t>(v.size())}, std::is_same_v<T, double> ? torch::kDouble : torch::kLong);
+    if (!v.empty()) std::copy(v.begin(), v.end(), t.template data_ptr<T>());
+    return t;
+  }
+  template <class T>
+  static std::vector<T> from_tensor(const torch::Tensor& t) {
+    const auto c = t.to(std::is_same_v<T, double> ? torch::kDouble : torch::kLong).contiguous();
+    return std::vector<T>(c.template data_ptr<T>(), c.template data_ptr<T>() + c.numel());
+  }
+  // The tensor under `key`, checked for its dtype and shape (a clone: independent of the archive).
+  static torch::Tensor checked(torch::serialize::InputArchive& a, const std::string& key, torch::ScalarType dtype,
+                               const std::vector<std::int64_t>& shape) {
+    auto t = train::read_tensor(a, key, "vector_env::load");
+    if (t.scalar_type() != dtype || t.sizes() != torch::IntArrayRef(shape)) {
+      std::string want = "[";
+      for (std::size_t i = 0; i < shape.size(); ++i) want += (i ? ", " : "") + std::to_string(shape[i]);
+      throw checkpoint_error("vector_env::load: tensor '" + key + "' is " + std::string(c10::toString(t.scalar_type())) +
+                             " of shape " + c10::str(t.sizes()) + "; expected " + c10::toString(dtype) + " of shape " +
+                             want + "]");
+    }
+    return t.clone();
+  }
+
   // splitmix64 of (seed, copy, episode): distinct, reproducible start states for every episode.
   std::uint64_t episode_seed(std::size_t i) const {
     if (episode_counter_[i] == 0) return static_cast<std::uint64_t>(opts_.seed) + i;
@@ -254,6 +408,3 @@ class vector_env {
 };
 
 }  // namespace unirl::envs
-
-BOOST_HANA_ADAPT_STRUCT(unirl::envs::vector_env_options, num_envs, seed, clip_actions, normalize_observation,
-                        observation_clip, normalize_reward, reward_gamma, reward_clip);

@@ -1,8 +1,9 @@
 #pragma once
 /// \file data_parallel.hpp
 /// Data parallelism over PyTorch's c10d: every rank samples its own rollouts, gradients are
-/// averaged across ranks before each optimizer step, the initial weights are broadcast from
-/// rank 0, and the stability guard skips a step on every rank when any rank sees a NaN.
+/// averaged across ranks before each optimizer step, the initial weights and buffers are
+/// broadcast from rank 0 (and the trainer broadcasts rank 0's buffers again after every weight
+/// sync), and the stability guard skips a step on every rank when any rank sees a NaN.
 ///
 /// ```cpp
 /// // torchrun-style environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
@@ -138,20 +139,37 @@ class data_parallel {
     }
   }
 
-  /// Copies rank `root`'s values into `tensors` on every rank.
+  /// Copies rank `root`'s values into `tensors` on every rank: one flat broadcast per dtype and
+  /// device, so mixed lists (float parameters, int64 or bool buffers such as BatchNorm's
+  /// `num_batches_tracked`) travel exactly.
   void broadcast(const std::vector<torch::Tensor>& tensors, int root) {
     if (world_size_ == 1 || tensors.empty()) return;
     torch::NoGradGuard no_grad;
-    std::vector<torch::Tensor> flats;
-    for (const auto& t : tensors) flats.push_back(t.detach().reshape({-1}));
-    std::vector<torch::Tensor> flat{torch::cat(flats)};
-    c10d::BroadcastOptions o;
-    o.rootRank = root;
-    group_->broadcast(flat, o)->wait();
-    std::int64_t offset = 0;
-    for (const auto& t : tensors) {
-      t.detach().copy_(flat[0].slice(0, offset, offset + t.numel()).view(t.sizes()));
-      offset += t.numel();
+    std::vector<bool> done(tensors.size(), false);
+    for (std::size_t first = 0; first < tensors.size(); ++first) {
+      if (done[first]) continue;
+      const auto dtype = tensors[first].scalar_type();
+      const auto dev = tensors[first].device();
+      std::vector<std::size_t> bucket;
+      for (std::size_t i = first; i < tensors.size(); ++i)
+        if (!done[i] && tensors[i].scalar_type() == dtype && tensors[i].device() == dev) {
+          bucket.push_back(i);
+          done[i] = true;
+        }
+      std::vector<torch::Tensor> flats;
+      for (auto i : bucket) flats.push_back(tensors[i].detach().reshape({-1}));
+      auto joined = torch::cat(flats);
+      if (dtype == torch::kBool) joined = joined.to(torch::kUInt8);  // bool travels as uint8
+      std::vector<torch::Tensor> flat{joined};
+      c10d::BroadcastOptions o;
+      o.rootRank = root;
+      group_->broadcast(flat, o)->wait();
+      std::int64_t offset = 0;
+      for (auto i : bucket) {
+        const auto& t = tensors[i];
+        t.detach().copy_(flat[0].slice(0, offset, offset + t.numel()).view(t.sizes()));
+        offset += t.numel();
+      }
     }
   }
 

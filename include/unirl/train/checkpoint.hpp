@@ -363,4 +363,47 @@ inline bool has_key(torch::serialize::InputArchive& a, const std::string& key) {
   return false;
 }
 
+/// Reads the tensor stored under `key`; a missing key throws `unirl::checkpoint_error` naming it
+/// and `what` (e.g. "vector_env").
+inline torch::Tensor read_tensor(torch::serialize::InputArchive& a, const std::string& key, const std::string& what) {
+  torch::Tensor t;
+  if (!a.try_read(key, t, /*is_buffer=*/true))
+    throw checkpoint_error(what + ": the checkpoint has no tensor '" + key + "'");
+  return t;
+}
+
+/// Reads the nested archive stored under `key`; a missing key throws `unirl::checkpoint_error`
+/// naming it and `what`.
+inline torch::serialize::InputArchive read_archive(torch::serialize::InputArchive& a, const std::string& key,
+                                                   const std::string& what) {
+  torch::serialize::InputArchive sub;
+  if (!has_key(a, key) || !a.try_read(key, sub))
+    throw checkpoint_error(what + ": the checkpoint has no entry '" + key + "'");
+  return sub;
+}
+
 }  // namespace unirl::train
+
+namespace unirl {
+
+/// A state that can travel in a checkpoint next to the model: the trainer's
+/// `save(path, extras...)` / `load(path, extras...)` store each extra in the same file.
+///
+/// Minimal complete definition:
+/// - `void save(torch::serialize::OutputArchive&) const` — writes everything needed to continue;
+/// - `void load(torch::serialize::InputArchive&)` — restores it, throwing `checkpoint_error`
+///   for an archive it cannot use.
+///
+/// ```cpp
+/// unirl::envs::vector_env<unirl::envs::pendulum> venv({}, {.normalize_observation = true});
+/// static_assert(unirl::Checkpointable<decltype(venv)>);
+/// t.save("run/ckpt.pt", venv);   // later: t.load("run/ckpt.pt", venv);
+/// ```
+template <class T>
+concept Checkpointable = requires(const T& c, T& m, torch::serialize::OutputArchive& out,
+                                  torch::serialize::InputArchive& in) {
+  c.save(out);
+  m.load(in);
+};
+
+}  // namespace unirl

@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cmath>
 #include <csignal>
 #include <filesystem>
 #include <fstream>
@@ -93,5 +94,31 @@ TEST_CASE("a data-parallel trainer keeps the ranks identical and skips a NaN ste
     const auto& skipped = res[r]["skipped"];
     for (std::size_t s = 0; s < skipped.size(); ++s) CHECK(skipped[s].get<int>() == (s == 5 ? 1 : 0));
     CHECK(res[r]["last"].get<double>() > res[r]["first"].get<double>() + 0.3);
+  }
+}
+
+TEST_CASE("a data-parallel trainer broadcasts rank 0's buffers at construction and after every step",
+          "[cpu][distributed]") {
+  for (int world : {2, 3}) {
+    const auto res = run_workers("buffers", world, std::chrono::seconds(120));
+    for (int r = 1; r < world; ++r) {
+      INFO("world " << world << " rank " << r);
+      CHECK(res[r]["initial"] != res[0]["initial"]);          // each rank initialised its own buffers
+      CHECK(res[r]["constructed"] == res[0]["initial"]);      // the trainer took rank 0's
+      CHECK(res[r]["constructed"] == res[0]["constructed"]);
+      const auto& diverged = res[r]["diverged"];
+      const auto& stepped = res[r]["stepped"];
+      REQUIRE(stepped.size() == 4);
+      for (std::size_t s = 0; s < stepped.size(); ++s) {
+        INFO("step " << s);
+        CHECK(diverged[s] != res[0]["diverged"][s]);           // the ranks' own data changed them differently
+        CHECK(stepped[s] == res[0]["stepped"][s]);             // equal again after the step's sync
+      }
+      CHECK(res[r]["params"] == res[0]["params"]);
+    }
+    CHECK(res[0]["stepped"][3] != res[0]["constructed"]);      // the buffers did change
+    // The int64 count travelled exactly: rank 0's count, a whole number.
+    const double bright = res[0]["stepped"][3].back().get<double>();
+    CHECK(bright == std::floor(bright));
   }
 }

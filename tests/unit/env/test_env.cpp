@@ -1,9 +1,14 @@
 // Environment track: CartPole / Pendulum dynamics against Gym's formulas, the vectorised runner
 // (auto-reset, episode statistics, action clipping, normalisation), the actor-critic policies,
-// rollout collection, PPO's env-track stages, and a short CartPole training run.
+// rollout collection, PPO's env-track stages, a short CartPole training run, and checkpoints that
+// carry the environments with the model (bit-identical resume).
 #include <cmath>
 #include <cstdint>
+#include <filesystem>
+#include <functional>
 #include <limits>
+#include <random>
+#include <string>
 #include <numbers>
 #include <utility>
 #include <vector>
@@ -497,6 +502,7 @@ TEST_CASE("PPO trains CartPole far above a random policy", "[cpu][env][slow]") {
   torch::set_num_threads(1);
   const std::int64_t iterations = 100;  // 51,200 environment steps
   vector_env<cartpole> venv({}, {.num_envs = 4, .seed = 1});
+  torch::manual_seed(1);  // the policy's initial weights: the same whatever ran before
   const auto [first_return, final_return] =
       train_ppo(venv, unirl::models::categorical_actor_critic(4, 2), {.ent_coef = 0.01, .rollout_steps = 128}, 2.5e-4,
                 4, 4, iterations, iterations, [](const unirl::step_stats& s) {
@@ -514,10 +520,238 @@ TEST_CASE("PPO with the Gaussian policy learns to swing Pendulum up", "[cpu][env
   torch::set_num_threads(1);
   vector_env<pendulum> venv({}, {.num_envs = 4, .seed = 1, .normalize_observation = true,
                                  .normalize_reward = true, .reward_gamma = 0.9});
+  torch::manual_seed(1);  // the policy's initial weights: the same whatever ran before
   const auto [first_return, final_return] =
       train_ppo(venv, unirl::models::gaussian_actor_critic(3, 1), {.ent_coef = 0.0, .gamma = 0.9, .rollout_steps = 512},
                 1e-3, 10, 32, 195, 30, [](const unirl::step_stats&) {});
   INFO("first iteration " << first_return << ", last 20 episodes " << final_return);
   CHECK(first_return < -900.0);   // a random policy loses ~1200 per episode
-  CHECK(final_return > -700.0);   // swings up and holds most of the time (seeds 1-3: -360, -321, -551)
+  CHECK(final_return > -700.0);   // swings up and holds most of the time (example seeds 1-3: -375, -321, -574)
+}
+
+// ---- Checkpoints of the environments -------------------------------------------------------
+
+namespace {
+
+namespace fs = std::filesystem;
+
+// A fresh directory under the system's temporary directory, removed at the end of the scope.
+struct temp_dir {
+  fs::path path = fs::temp_directory_path() / ("unirl-env-ckpt-" + std::to_string(std::random_device{}()));
+  temp_dir() { fs::create_directories(path); }
+  ~temp_dir() { fs::remove_all(path); }
+  std::string file(const std::string& name) const { return (path / name).string(); }
+};
+
+// Largest |a - b| over two tensors of the same shape (as double); +inf when the shapes differ.
+double max_diff(const torch::Tensor& a, const torch::Tensor& b) {
+  if (a.sizes() != b.sizes()) return std::numeric_limits<double>::infinity();
+  if (a.numel() == 0) return 0.0;
+  return (a.to(torch::kDouble) - b.to(torch::kDouble)).abs().max().item<double>();
+}
+
+template <class E>
+void require_same_state(const vector_env<E>& a, const vector_env<E>& b) {
+  CHECK(max_diff(a.observations(), b.observations()) == 0.0);
+  CHECK(max_diff(a.dones(), b.dones()) == 0.0);
+  CHECK(a.env_steps() == b.env_steps());
+  REQUIRE(a.episodes().size() == b.episodes().size());
+  for (std::size_t i = 0; i < a.episodes().size(); ++i) {
+    CHECK(a.episodes()[i].episode_return == b.episodes()[i].episode_return);
+    CHECK(a.episodes()[i].length == b.episodes()[i].length);
+    CHECK(a.episodes()[i].env_index == b.episodes()[i].env_index);
+  }
+  CHECK(max_diff(a.observation_statistics().mean, b.observation_statistics().mean) == 0.0);
+  CHECK(max_diff(a.observation_statistics().var, b.observation_statistics().var) == 0.0);
+  CHECK(a.observation_statistics().count == b.observation_statistics().count);
+  CHECK(max_diff(a.return_statistics().mean, b.return_statistics().mean) == 0.0);
+  CHECK(max_diff(a.return_statistics().var, b.return_statistics().var) == 0.0);
+  CHECK(a.return_statistics().count == b.return_statistics().count);
+}
+
+// Largest difference between the parameters and buffers of two trainers' policies.
+template <class Trainer>
+double max_weight_diff(const Trainer& a, const Trainer& b) {
+  const auto pa = a.models().policy.named_parameters(), pb = b.models().policy.named_parameters();
+  const auto ba = a.models().policy.named_buffers(), bb = b.models().policy.named_buffers();
+  REQUIRE(pa.size() == pb.size());
+  REQUIRE(ba.size() == bb.size());
+  double d = 0;
+  for (std::size_t i = 0; i < pa.size(); ++i) d = std::max(d, max_diff(pa[i].second, pb[i].second));
+  for (std::size_t i = 0; i < ba.size(); ++i) d = std::max(d, max_diff(ba[i].second, bb[i].second));
+  return d;
+}
+
+// Runs PPO for n + m iterations uninterrupted, and for n iterations, then save(path, venv), then a
+// fresh trainer (other initial weights) and a fresh vector_env (`resume_env`: another seed) that
+// load(path, venv) and run m more; everything after the resume must be bit for bit the same.
+template <class Policy, class E>
+void check_resume(const std::function<Policy()>& make_policy, const unirl::algo::ppo<>::options& algo,
+                  const unirl::envs::vector_env_options& env_opts, const unirl::envs::vector_env_options& resume_env,
+                  std::int64_t n, std::int64_t m) {
+  torch::set_num_threads(1);
+  using trainer_t = unirl::trainer<Policy, unirl::algo::ppo<>, unirl::rewards::environment_reward>;
+  const typename trainer_t::options opts{.algorithm = algo,
+                                         .optim = {.lr = 1e-3, .eps = 1e-5},
+                                         .schedule = {.kind = unirl::train::schedule_kind::linear},
+                                         .clip = {.max_grad_norm = 0.5},
+                                         .epochs = 2,
+                                         .minibatches = 2,
+                                         .seed = 1,
+                                         .progress = false,
+                                         .total_steps = n + m};
+  temp_dir dir;
+  const auto path = dir.file("ckpt.pt");
+
+  torch::manual_seed(5);
+  vector_env<E> venv_a({}, env_opts);
+  trainer_t a{make_policy(), {}, opts};
+  std::vector<unirl::step_stats> stats_a;
+  for (std::int64_t i = 0; i < n + m; ++i) stats_a.push_back(a.step(venv_a));
+
+  torch::manual_seed(5);
+  {
+    vector_env<E> venv_b({}, env_opts);
+    trainer_t b{make_policy(), {}, opts};
+    for (std::int64_t i = 0; i < n; ++i) b.step(venv_b);
+    b.save(path, venv_b);
+  }  // the first process ends here
+
+  torch::manual_seed(999);  // other initial weights and another global generator state
+  vector_env<E> venv_c({}, resume_env);
+  trainer_t c{make_policy(), {}, opts};
+  REQUIRE(max_weight_diff(a, c) > 0.0);  // the load has something to do
+  c.load(path, venv_c);
+  CHECK(c.step_count() == n);
+  CHECK(venv_c.options().seed == env_opts.seed);
+  CHECK(venv_c.num_envs() == env_opts.num_envs);
+  std::vector<unirl::step_stats> stats_c;
+  for (std::int64_t i = 0; i < m; ++i) stats_c.push_back(c.step(venv_c));
+
+  const double weights = max_weight_diff(a, c);
+  INFO("max |weight difference| after resume: " << weights);
+  CHECK(weights == 0.0);
+  for (std::int64_t i = 0; i < m; ++i) {
+    const auto& sa = stats_a[static_cast<std::size_t>(n + i)];
+    const auto& sc = stats_c[static_cast<std::size_t>(i)];
+    INFO("iteration " << n + i);
+    CHECK(sa.reward_mean == sc.reward_mean);
+    CHECK(sa.loss == sc.loss);
+    CHECK(sa.value_loss == sc.value_loss);
+    CHECK(sa.learning_rate == sc.learning_rate);
+  }
+  require_same_state(venv_a, venv_c);
+  CHECK(!venv_a.episodes().empty());
+}
+
+}  // namespace
+
+static_assert(unirl::Checkpointable<vector_env<cartpole>>);
+static_assert(unirl::Checkpointable<vector_env<pendulum>>);
+static_assert(unirl::Checkpointable<cartpole>);
+static_assert(!unirl::Checkpointable<unirl::envs::running_mean_std>);
+
+TEST_CASE("an environment's save / load continues its episode bit for bit", "[cpu][env]") {
+  pendulum a(50);
+  a.reset(11);
+  for (int t = 0; t < 7; ++t) a.step({0.3f});
+  torch::serialize::OutputArchive out;
+  a.save(out);
+  temp_dir dir;
+  out.save_to(dir.file("env.pt"));
+  torch::serialize::InputArchive in;
+  in.load_from(dir.file("env.pt"));
+  pendulum b;  // other time limit, never reset
+  b.load(in);
+  CHECK(b.elapsed_steps() == 7);
+  CHECK(b.max_episode_steps() == 50);
+  CHECK(b.state() == a.state());
+  for (int t = 7; t < 50; ++t) {
+    const auto ra = a.step({-0.7f}), rb = b.step({-0.7f});
+    REQUIRE(ra.observation == rb.observation);
+    REQUIRE(ra.reward == rb.reward);
+    REQUIRE(ra.truncated == rb.truncated);
+  }
+  CHECK_THROWS_WITH(b.step({0.0f}), Contains("the episode ended"));  // the flags came too
+  // A cartpole refuses a pendulum's archive.
+  torch::serialize::InputArchive again;
+  again.load_from(dir.file("env.pt"));
+  cartpole c;
+  CHECK_THROWS_AS(c.load(again), unirl::checkpoint_error);
+  torch::serialize::InputArchive third;
+  third.load_from(dir.file("env.pt"));
+  CHECK_THROWS_WITH(c.load(third), Contains("'pendulum' environment; expected 'cartpole'"));
+}
+
+TEST_CASE("vector_env save / load restores options, copies, episodes and running statistics", "[cpu][env]") {
+  const unirl::envs::vector_env_options o{.num_envs = 3, .seed = 4, .normalize_observation = true,
+                                          .normalize_reward = true, .reward_gamma = 0.9};
+  vector_env<pendulum> a(pendulum(30), o);  // short episodes: several end before and after the save
+  torch::manual_seed(3);
+  for (int t = 0; t < 75; ++t) a.step(torch::rand({3, 1}) * 4 - 2);
+  temp_dir dir;
+  unirl::train::write_checkpoint(dir.file("venv.pt"), [&](torch::serialize::OutputArchive& ar) { a.save(ar); });
+  vector_env<pendulum> b(pendulum(30), {.num_envs = 5, .seed = 100});  // other count, seed, no normalisation
+  unirl::train::read_checkpoint(dir.file("venv.pt"), [&](torch::serialize::InputArchive& ar) { b.load(ar); });
+  CHECK(b.num_envs() == 3);
+  CHECK(b.options().normalize_reward);
+  require_same_state(a, b);
+  for (int t = 0; t < 80; ++t) {
+    const auto act = torch::rand({3, 1}) * 4 - 2;
+    const auto ra = a.step(act), rb = b.step(act);
+    REQUIRE(max_diff(ra.observations, rb.observations) == 0.0);
+    REQUIRE(max_diff(ra.rewards, rb.rewards) == 0.0);
+    REQUIRE(max_diff(ra.dones, rb.dones) == 0.0);
+  }
+  require_same_state(a, b);
+  CHECK(a.episodes().size() >= 6);
+
+  // A vector of another environment is refused, and left as it was.
+  vector_env<cartpole> other({}, {.num_envs = 2, .seed = 1});
+  const auto before = other.observations().clone();
+  CHECK_THROWS_WITH(
+      unirl::train::read_checkpoint(dir.file("venv.pt"), [&](torch::serialize::InputArchive& ar) { other.load(ar); }),
+      Contains("3 components; this environment's have 4"));
+  CHECK(other.num_envs() == 2);
+  CHECK(max_diff(other.observations(), before) == 0.0);
+}
+
+TEST_CASE("PPO on Pendulum with normalisation resumes from trainer.save(path, venv) bit for bit",
+          "[cpu][env][slow]") {
+  // 2 copies x 64 steps per iteration; the save falls mid-episode (192 of 200 steps), so the
+  // episode accumulators and the discounted returns of the reward normaliser cross the resume.
+  check_resume<unirl::models::gaussian_actor_critic, pendulum>(
+      [] { return unirl::models::gaussian_actor_critic(3, 1); }, {.ent_coef = 0.0, .gamma = 0.9, .rollout_steps = 64},
+      {.num_envs = 2, .seed = 1, .normalize_observation = true, .normalize_reward = true, .reward_gamma = 0.9},
+      {.num_envs = 3, .seed = 42}, 3, 3);
+}
+
+TEST_CASE("PPO on CartPole resumes from trainer.save(path, venv) bit for bit", "[cpu][env][slow]") {
+  check_resume<unirl::models::categorical_actor_critic, cartpole>(
+      [] { return unirl::models::categorical_actor_critic(4, 2); }, {.ent_coef = 0.01, .rollout_steps = 64},
+      {.num_envs = 4, .seed = 3}, {.num_envs = 4, .seed = 17}, 3, 3);
+}
+
+TEST_CASE("trainer.load refuses a checkpoint saved with another number of extras", "[cpu][env]") {
+  torch::set_num_threads(1);
+  using trainer_t = unirl::trainer<unirl::models::categorical_actor_critic, unirl::algo::ppo<>,
+                                   unirl::rewards::environment_reward>;
+  const trainer_t::options opts{.algorithm = {.rollout_steps = 8}, .progress = false};
+  vector_env<cartpole> venv({}, {.num_envs = 2, .seed = 1}), venv2({}, {.num_envs = 2, .seed = 2});
+  trainer_t t{unirl::models::categorical_actor_critic(4, 2), {}, opts};
+  t.step(venv);
+  temp_dir dir;
+  t.save(dir.file("with.pt"), venv);
+  t.save(dir.file("without.pt"));
+  trainer_t u{unirl::models::categorical_actor_critic(4, 2), {}, opts};
+  CHECK_THROWS_AS(u.load(dir.file("with.pt")), unirl::checkpoint_error);
+  CHECK_THROWS_WITH(u.load(dir.file("with.pt")), Contains("holds 1 extra state(s)") && Contains("extra.0"));
+  CHECK_THROWS_WITH(u.load(dir.file("with.pt"), venv, venv2), Contains("extra.1 is missing from the checkpoint"));
+  CHECK_THROWS_WITH(u.load(dir.file("without.pt"), venv2), Contains("extra.0 is missing from the checkpoint"));
+  CHECK(u.step_count() == 0);  // nothing was loaded
+  u.load(dir.file("without.pt"));
+  CHECK(u.step_count() == 1);
+  u.load(dir.file("with.pt"), venv2);
+  CHECK(venv2.options().seed == 1);
+  require_same_state(venv, venv2);
 }
