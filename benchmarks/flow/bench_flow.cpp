@@ -39,6 +39,7 @@ struct upper_brightness {
 
 template <class Sampler>
 void BM_flow_sample(benchmark::State& state) {
+  torch::set_num_threads(1);
   auto m = digits_model();
   const auto cond = conditions().repeat_interleave(8);
   const Sampler sampler({.steps = 10});
@@ -50,6 +51,7 @@ BENCHMARK_TEMPLATE(BM_flow_sample, unirl::rollout::sde::flow_grpo)->Unit(benchma
 
 template <class Algorithm>
 void BM_flow_step(benchmark::State& state) {
+  torch::set_num_threads(1);
   typename Algorithm::options o{};
   o.sampler.steps = 10;
   unirl::trainer<model_t, Algorithm, upper_brightness> t{
@@ -63,11 +65,4 @@ BENCHMARK_TEMPLATE(BM_flow_step, unirl::algo::ram<>)->Unit(benchmark::kMilliseco
 BENCHMARK_TEMPLATE(BM_flow_step, unirl::algo::diffusion_nft<>)->Unit(benchmark::kMillisecond);
 }  // namespace
 
-int main(int argc, char** argv) {
-  torch::set_num_threads(1);
-  benchmark::Initialize(&argc, argv);
-  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
-  benchmark::RunSpecifiedBenchmarks();
-  benchmark::Shutdown();
-  return 0;
-}
+BENCHMARK_MAIN();
