@@ -55,10 +55,11 @@ void BM_decode_recompute(benchmark::State& state) {
 }
 BENCHMARK(BM_decode_recompute)->Unit(benchmark::kMillisecond);
 
-// The GRPO step shared with grpo_step.py: GPT (vocab 14, d 64, 2 layers, 4 heads), 16 prompts of
-// 6 tokens x group 8 = 128 samples, 5 new tokens at temperature 1 (no stop token), reward = share
-// of generated tokens equal to token 1, group-normalised advantages, clip 0.2 / 0.28,
-// token-mean, AdamW lr 1e-4.
+// The GRPO step shared with grpo_step.py: GPT (vocab 14, 4 heads; d_model and layers from the
+// benchmark's arguments: 64 x 2, the comparison's default, and 128 x 4), 16 prompts of 6 tokens x
+// group 8 = 128 samples, 5 new tokens at temperature 1 (no stop token), reward = share of
+// generated tokens equal to token 1, group-normalised advantages, clip 0.2 / 0.28, token-mean,
+// AdamW lr 1e-4.
 struct hit_reward {
   torch::Tensor operator()(const unirl::token_rollout& b) const {
     return ((b.completion_ids == 1).to(torch::kFloat) * b.completion_mask).sum(1) / b.completion_mask.sum(1);
@@ -69,8 +70,8 @@ struct hit_reward {
 // from the single update's forward); otherwise the same work as grpo_step.py's step.
 void grpo_step(benchmark::State& state, bool fast) {
   torch::manual_seed(0);
-  unirl::models::gpt model(unirl::models::gpt_options{.vocab_size = 14, .max_len = 16, .n_layer = 2, .n_head = 4,
-                                                      .d_model = 64});
+  unirl::models::gpt model(unirl::models::gpt_options{.vocab_size = 14, .max_len = 16, .n_layer = state.range(1),
+                                                      .n_head = 4, .d_model = state.range(0)});
   unirl::trainer<unirl::models::gpt, unirl::algo::grpo<>, hit_reward> t{
       model, hit_reward{},
       {.algorithm = {.clip_high = 0.28, .agg = unirl::algo::loss_agg::token_mean, .reuse_on_policy_logp = fast,
@@ -85,8 +86,8 @@ void grpo_step(benchmark::State& state, bool fast) {
 }
 void BM_grpo_step(benchmark::State& state) { grpo_step(state, true); }
 void BM_grpo_step_same_work(benchmark::State& state) { grpo_step(state, false); }
-BENCHMARK(BM_grpo_step)->Unit(benchmark::kMillisecond)->MinTime(3.0);
-BENCHMARK(BM_grpo_step_same_work)->Unit(benchmark::kMillisecond)->MinTime(3.0);
+BENCHMARK(BM_grpo_step)->Args({64, 2})->Args({128, 4})->Unit(benchmark::kMillisecond)->MinTime(3.0);
+BENCHMARK(BM_grpo_step_same_work)->Args({64, 2})->Args({128, 4})->Unit(benchmark::kMillisecond)->MinTime(3.0);
 }  // namespace
 
 // One LibTorch thread, as grpo_step.py uses on the Python side: these tensors are too small for

@@ -133,8 +133,8 @@ def python_samples_per_second(seconds, reuse_old=False):
 
 
 def cpp_samples_per_second(path):
-    """items_per_second of BM_grpo_step (unirl's defaults) and BM_grpo_step_same_work."""
-    out = subprocess.run([path, "--benchmark_filter=BM_grpo_step", "--benchmark_format=json"],
+    """items_per_second of BM_grpo_step (unirl's defaults) and BM_grpo_step_same_work at this size."""
+    out = subprocess.run([path, f"--benchmark_filter=BM_grpo_step.*/{D}/{L}/", "--benchmark_format=json"],
                          check=True, capture_output=True, text=True).stdout
     return {b["name"].split("/")[0]: b["items_per_second"] for b in json.loads(out)["benchmarks"]}
 
@@ -144,9 +144,13 @@ def main():
     ap.add_argument("--cpp", help="path of bench_token, to run the unirl side too")
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (bench_token uses 1)")
+    ap.add_argument("--d-model", type=int, default=64, choices=(64, 128), help="model width (bench_token: 64 or 128)")
+    ap.add_argument("--layers", type=int, default=2, choices=(2, 4), help="layers (bench_token: 2 with 64, 4 with 128)")
     a = ap.parse_args()
+    global D, L
+    D, L = a.d_model, a.layers
     torch.set_num_threads(a.threads)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, d_model {D}, {L} layers")
     py = python_samples_per_second(a.seconds)
     py_reuse = python_samples_per_second(a.seconds, reuse_old=True)
     print(f"python  GRPO step:                       {py:9.1f} samples/s")
