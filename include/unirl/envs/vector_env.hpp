@@ -352,13 +352,9 @@ class vector_env {
   static torch::Tensor checked(torch::serialize::InputArchive& a, const std::string& key, torch::ScalarType dtype,
                                const std::vector<std::int64_t>& shape) {
     auto t = train::read_tensor(a, key, "vector_env::load");
-    if (t.scalar_type() != dtype || t.sizes() != torch::IntArrayRef(shape)) {
-      std::string want = "[";
-      for (std::size_t i = 0; i < shape.size(); ++i) want += (i ? ", " : "") + std::to_string(shape[i]);
-      throw checkpoint_error("vector_env::load: tensor '" + key + "' is " + std::string(c10::toString(t.scalar_type())) +
-                             " of shape " + c10::str(t.sizes()) + "; expected " + c10::toString(dtype) + " of shape " +
-                             want + "]");
-    }
+    if (t.scalar_type() != dtype || t.sizes() != torch::IntArrayRef(shape))
+      throw checkpoint_error(c10::str("vector_env::load: tensor '", key, "' is ", t.scalar_type(), " of shape ",
+                                      t.sizes(), "; expected ", dtype, " of shape ", torch::IntArrayRef(shape)));
     return t.clone();
   }
 
