@@ -1,14 +1,39 @@
 #!/usr/bin/env bash
-# Installs the Debian 12 packages unirl needs to build, test and run its examples.
+# Installs the Debian packages unirl needs to build, test and run its examples, by release:
+# Debian 12 (bookworm: LibTorch 1.13, Catch2 2) and Debian 13 (trixie: LibTorch 2.6, Catch2 3).
 # Idempotent: installs only what is missing; runs `apt-get update` only then.
 set -euo pipefail
+codename=""
+if [ -r /etc/os-release ]; then codename="$(. /etc/os-release && echo "${VERSION_CODENAME:-}")"; fi
+
+# The same on both releases.
 packages=(
   g++ cmake ninja-build git pkg-config
   libtorch-dev python3-torch libsleef-dev libgloo-dev
   libopenblas0-openmp                # LibTorch calls libblas.so.3: OpenBLAS (OpenMP), not the reference BLAS
-  libeigen3-dev libboost-dev catch2 libbenchmark-dev
+  libeigen3-dev libboost-dev libbenchmark-dev
   nlohmann-json3-dev libyaml-cpp-dev libstb-dev zlib1g-dev
+  libre2-dev                         # RE2: linear-time regular expressions of the rule rewards
 )
+# What differs (names checked with apt-cache on each release).
+bookworm_packages=(
+  catch2                             # Catch2 2.13
+  clang libclang-rt-14-dev           # clang 14 and its libFuzzer runtime
+)
+trixie_packages=(
+  libcatch2-dev                      # Catch2 3 ("catch2" is only a transitional package there)
+  clang libclang-rt-19-dev           # clang 19 and its libFuzzer runtime
+)
+case "$codename" in
+  bookworm) packages+=("${bookworm_packages[@]}") ;;
+  trixie) packages+=("${trixie_packages[@]}") ;;
+  *)
+    echo "unirl: release '${codename:-unknown}' is not one the scripts know (Debian 12 bookworm, Debian 13 trixie);" \
+         "trying Debian 13's package names" >&2
+    packages+=("${trixie_packages[@]}") ;;
+esac
+
+command -v dpkg-query >/dev/null || { echo "unirl: install-deps.sh needs Debian's dpkg and apt" >&2; exit 1; }
 missing=()
 for p in "${packages[@]}"; do
   if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then missing+=("$p"); fi

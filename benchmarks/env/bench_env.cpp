@@ -56,7 +56,7 @@ void BM_ppo_iteration_cartpole(benchmark::State& state) {
   unirl::envs::vector_env<unirl::envs::cartpole> venv({}, {.num_envs = 4, .seed = 1});
   trainer_t t{policy_t(4, 2),
               {},
-              {.algorithm = {.rollout_steps = 128},
+              {.algorithm = {.track = {.rollout_steps = 128}},
                .optim = {.lr = 2.5e-4, .eps = 1e-5},
                .clip = {.max_grad_norm = 0.5},
                .epochs = 4,

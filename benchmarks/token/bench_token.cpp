@@ -75,7 +75,9 @@ void grpo_step(benchmark::State& state, bool fast) {
   unirl::trainer<unirl::models::gpt, unirl::algo::grpo<>, hit_reward> t{
       model, hit_reward{},
       {.algorithm = {.clip_high = 0.28, .agg = unirl::algo::loss_agg::token_mean, .reuse_on_policy_logp = fast,
-                     .share_prompt = fast, .sampling = {.max_new_tokens = 5}},
+                     .layout = fast ? unirl::rollout::update_layout::shared_prompt
+                                    : unirl::rollout::update_layout::padded,
+                     .sampling = {.max_new_tokens = 5}},
        .optim = {.lr = 1e-4},
        .group_size = 8,
        .progress = false}};

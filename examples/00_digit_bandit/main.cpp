@@ -8,6 +8,7 @@
 #include <fstream>
 #include <iostream>
 
+#include <unirl/core/command_line.hpp>
 #include <unirl/trainer.hpp>
 #include <unirl/train/plot.hpp>
 

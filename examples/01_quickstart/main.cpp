@@ -25,6 +25,7 @@
 #include <torch/torch.h>
 
 #include <unirl/algorithms/grpo.hpp>
+#include <unirl/core/command_line.hpp>
 #include <unirl/models/char_tokenizer.hpp>
 #include <unirl/models/gpt.hpp>
 #include <unirl/rewards/rules.hpp>

@@ -1,4 +1,4 @@
-// CartPole-v1 with PPO, CleanRL `ppo.py` hyper-parameters (ALGORITHMS.md §5): 4 copies x 128
+// CartPole-v1 with PPO, CleanRL `ppo.py` hyper-parameters (docs/environments.md): 4 copies x 128
 // steps per iteration, GAE (0.99, 0.95), 4 epochs x 4 minibatches, clip 0.2, entropy 0.01,
 // value 0.5, max grad norm 0.5, Adam (eps 1e-5) at 2.5e-4 annealed linearly to 0, two tanh
 // layers of 64 with orthogonal init. CleanRL reports an episodic return of 490 +- 6 at 500k steps.
@@ -33,7 +33,7 @@ using trainer_t = unirl::trainer<policy_t, unirl::algo::ppo<>, unirl::rewards::e
 int main(int argc, char** argv) try {
   trainer_t::options opts{
       .algorithm = {.clip_low = 0.2, .clip_high = 0.2, .value_clip = 0.2, .vf_coef = 0.5, .ent_coef = 0.01,
-                    .gamma = 0.99, .lambda = 0.95, .norm_adv = true, .rollout_steps = 128},
+                    .gamma = 0.99, .lambda = 0.95, .norm_adv = true, .track = {.rollout_steps = 128}},
       .optim = {.lr = 2.5e-4, .eps = 1e-5},
       .schedule = {.kind = unirl::train::schedule_kind::linear},
       .clip = {.max_grad_norm = 0.5},

@@ -54,7 +54,7 @@ int main(int argc, char** argv) try {
   trainer_t::options opts{
       .algorithm = {.clip_low = 0.2, .clip_high = 0.2, .value_clip = 0.2, .vf_coef = 0.5, .ent_coef = 0.0,
                     .gamma = cleanrl ? 0.99 : 0.9, .lambda = 0.95, .norm_adv = true,
-                    .rollout_steps = cleanrl ? 2048 : 512},
+                    .track = {.rollout_steps = cleanrl ? 2048 : 512}},
       .optim = {.lr = cleanrl ? 3e-4 : 1e-3, .eps = 1e-5},
       .schedule = {.kind = unirl::train::schedule_kind::linear},
       .clip = {.max_grad_norm = 0.5},

@@ -5,6 +5,7 @@
 //
 //   reward_server server.port=8000 server.host=0.0.0.0 reward.weights=[1,0.2,1] overlong.max_length=64
 //   reward_server --self-test        # serve on an ephemeral port, score a batch remotely, compare
+//   reward_server server.max_connections=128 server.read_timeout_s=10 server.max_body_bytes=67108864
 //
 // Then, from a trainer: `remote_scorer{{.url = "http://<host>:8000/score"}}` as the reward.
 #include <signal.h>
@@ -17,6 +18,7 @@
 
 #include <torch/torch.h>
 
+#include <unirl/core/command_line.hpp>
 #include <unirl/core/options.hpp>
 #include <unirl/rewards/remote.hpp>
 #include <unirl/rewards/rules.hpp>
@@ -70,8 +72,20 @@ int self_test(example_options o) {
                 expected[i].item<double>());
   for (const auto& [k, v] : remote.last_components()) std::printf("component %-20s %.4f\n", k.c_str(), v);
   std::printf("round trip: %.2f ms for %lld samples\n", ms, static_cast<long long>(batch.size()));
-  const bool ok = torch::equal(got, expected);
+  bool ok = torch::equal(got, expected);
   std::cout << (ok ? "self-test passed: remote rewards equal local rewards\n" : "self-test FAILED: rewards differ\n");
+  // Completions are untrusted text: one of 100 000 characters is scored like any other (RE2 runs
+  // in linear time and bounded stack), and the server keeps serving.
+  rw::json_batch long_one;
+  long_one.completions = {"1+1=" + std::string(100000, '2')};
+  long_one.references = {"2"};
+  long_one.prompts = {"1+1"};
+  long_one.count = 1;
+  const auto long_got = remote(long_one);
+  const bool long_ok = torch::equal(long_got, local(long_one)) && torch::equal(remote(batch), expected);
+  std::cout << (long_ok ? "self-test passed: a 100 000-character completion is scored, the server still serves\n"
+                        : "self-test FAILED on a 100 000-character completion\n");
+  ok = ok && long_ok;
   server.stop();
   return ok ? 0 : 1;
 }

@@ -16,6 +16,7 @@
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
+#include <unirl/core/command_line.hpp>
 #include <unirl/core/options.hpp>
 
 namespace examples {
@@ -61,7 +62,7 @@ env_run parse_env_run(TrainerOptions& opts, int argc, char** argv, env_run defau
   r.resume = parsed["resume"];
   torch::set_num_threads(1);
 
-  r.iterations = r.total_env_steps / (r.num_envs * opts.algorithm.rollout_steps);
+  r.iterations = r.total_env_steps / (r.num_envs * opts.algorithm.track.rollout_steps);
   opts.seed = r.seed;
   opts.total_steps = r.iterations;
   std::filesystem::create_directories(r.out);

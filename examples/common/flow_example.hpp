@@ -27,6 +27,7 @@
 #include <unirl/algorithms/flow_grpo.hpp>
 #include <unirl/algorithms/ram.hpp>
 #include <unirl/core/error.hpp>
+#include <unirl/core/command_line.hpp>
 #include <unirl/core/options.hpp>
 #include <unirl/rollout/flow_samplers.hpp>
 

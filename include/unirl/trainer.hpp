@@ -17,8 +17,11 @@
 /// the learning-rate schedule, gradient clipping, the stability guard, metrics and checkpoints
 /// (with `save(path, extras...)` / `load(path, extras...)` for states that must resume with the
 /// model, such as the environments: `unirl::Checkpointable`). With a data-parallel strategy every
-/// rank starts from rank 0's parameters and buffers, and rank 0's buffers are broadcast after
-/// every weight sync.
+/// rank starts from rank 0's parameters and buffers, rank 0's buffers are broadcast after every
+/// weight sync, and the step statistics are averaged over ranks.
+///
+/// This header is the loop alone; `<unirl/token.hpp>`, `<unirl/flow.hpp>`, `<unirl/env.hpp>` and
+/// `<unirl/rewards.hpp>` bring each track's algorithms, models and rewards with it.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -40,9 +43,11 @@
 #include <unirl/concepts/parallel.hpp>
 #include <unirl/concepts/reward.hpp>
 #include <unirl/concepts/rollout.hpp>
+#include <unirl/concepts/track.hpp>
 #include <unirl/config.hpp>
 #include <unirl/core/context.hpp>
 #include <unirl/core/error.hpp>
+#include <unirl/core/host.hpp>
 #include <unirl/core/options.hpp>
 #include <unirl/core/stats.hpp>
 #include <unirl/exec/policy.hpp>
@@ -113,9 +118,45 @@ struct accessors_impl<unirl::trainer_options<A>> {
 
 namespace unirl {
 
+namespace detail {
+// What a token-track model lacks of CausalLM, member by member (the trainer names the first).
+template <class M>
+inline constexpr bool on_token_track = requires { requires std::is_same_v<typename M::track, token_track>; };
+template <class M>
+inline constexpr bool lm_has_cache_type = requires { typename M::cache_type; };
+template <class M>
+inline constexpr bool lm_has_make_cache = requires(const M& m, std::int64_t n) {
+  { m.make_cache(n, n) } -> std::same_as<typename M::cache_type>;
+};
+template <class M>
+inline constexpr bool lm_has_logits_cached = requires(const M& m, const torch::Tensor& t, typename M::cache_type& c) {
+  { m.logits_cached(t, t, c) } -> std::same_as<torch::Tensor>;
+};
+template <class M>
+inline constexpr bool lm_has_logits = requires(const M& m, const torch::Tensor& t) {
+  { m.logits(t, t) } -> std::same_as<torch::Tensor>;
+};
+template <class M>
+inline constexpr bool lm_has_vocab_size = requires(const M& m) {
+  { m.vocab_size() } -> std::convertible_to<std::int64_t>;
+};
+
+// The statistics one minibatch adds to its step's, as () float64 tensors (summed over the step).
+struct loss_sums {
+  torch::Tensor loss, policy, value, kl, entropy, ratio, clip;
+  std::map<std::string, torch::Tensor> extra;
+};
+}  // namespace detail
+
 /// The composed trainer. Slots: a `ModelAdapter`, an `Algorithm` for the model's track
-/// (`AlgorithmFor`), a reward for the track's rollout batch (`RewardFor`), a `ParallelStrategy`.
-template <class Model, class Algorithm, class Reward, class Parallel = par::single_device>
+/// (`AlgorithmFor`; a family such as `algo::ppo<>` is bound to the track, `algorithm_for_t`), a
+/// reward for the track's rollout batch (`RewardFor`), a `ParallelStrategy`.
+///
+/// Host synchronisations of a step: the reward read (its finiteness, its statistics and the
+/// checks deferred during sampling), one read per minibatch (the found-non-finite flag with the
+/// loss and the gradient norm), and one read of the step's statistics — plus what the sampler
+/// and the algorithm need on the host (decoding stops, dynamic sampling).
+template <class Model, class Algorithm, class Reward, class Parallel = parallel::single_device>
 class trainer {
   static_assert(TrainableModule<Model>,
                 "unirl::trainer: Model does not model TrainableModule: it needs parameters(), named_parameters(), "
@@ -123,9 +164,33 @@ class trainer {
   static_assert(ModelAdapter<Model>,
                 "unirl::trainer: Model does not model ModelAdapter: it needs a `track` member type with a "
                 "`rollout_type` (token_track, flow_track, env_track or a track of your own)");
-  static_assert(::unirl::Algorithm<Algorithm>,
+  static_assert(!detail::on_token_track<Model> || detail::lm_has_logits<Model>,
+                "unirl::trainer: a token-track Model must model unirl::CausalLM (concepts/causal_lm.hpp): it lacks "
+                "`torch::Tensor logits(const torch::Tensor& ids, const torch::Tensor& mask) const`");
+  static_assert(!detail::on_token_track<Model> || detail::lm_has_cache_type<Model>,
+                "unirl::trainer: a token-track Model must model unirl::CausalLM (concepts/causal_lm.hpp): it lacks the "
+                "KV-cache member type `cache_type`");
+  static_assert(!detail::on_token_track<Model> || !detail::lm_has_cache_type<Model> ||
+                    detail::lm_has_make_cache<Model>,
+                "unirl::trainer: a token-track Model must model unirl::CausalLM (concepts/causal_lm.hpp): it lacks the "
+                "KV-cache member `cache_type make_cache(std::int64_t batch, std::int64_t capacity) const`");
+  static_assert(!detail::on_token_track<Model> || !detail::lm_has_cache_type<Model> ||
+                    detail::lm_has_logits_cached<Model>,
+                "unirl::trainer: a token-track Model must model unirl::CausalLM (concepts/causal_lm.hpp): it lacks the "
+                "KV-cache member `torch::Tensor logits_cached(const torch::Tensor& ids, const torch::Tensor& mask, "
+                "cache_type& cache) const`");
+  static_assert(!detail::on_token_track<Model> || detail::lm_has_vocab_size<Model>,
+                "unirl::trainer: a token-track Model must model unirl::CausalLM (concepts/causal_lm.hpp): it lacks "
+                "`std::int64_t vocab_size() const`");
+
+ public:
+  /// The algorithm the trainer builds: `Algorithm`, or for a family its member for the model's track.
+  using algorithm_type = algorithm_for_t<Algorithm, Model>;
+
+ private:
+  static_assert(::unirl::Algorithm<algorithm_type>,
                 "unirl::trainer: Algorithm does not model unirl::Algorithm: it needs `options`, a constructor "
-                "from options and the requires_* flags (see concepts/algorithm.hpp)");
+                "from options, the requires_* flags and supports_track (see concepts/algorithm.hpp)");
   static_assert(AlgorithmFor<Algorithm, Model>,
                 "unirl::trainer: Algorithm does not model AlgorithmFor<Algorithm, Model>: it cannot train this "
                 "model's track (supports_track, advantage(...) and loss(...) on rollout_t<Model>)");
@@ -137,11 +202,10 @@ class trainer {
 
  public:
   using model_type = Model;
-  using algorithm_type = Algorithm;
   using reward_type = Reward;
   using parallel_type = Parallel;
   using rollout_type = rollout_t<Model>;
-  using options = trainer_options<Algorithm>;
+  using options = trainer_options<algorithm_type>;
 
   /// Builds the models the algorithm needs, the optimizer and the guard. Throws
   /// `config_error` naming the key for an invalid option.
@@ -155,7 +219,7 @@ class trainer {
         guard_(opts_.guard) {
     torch::manual_seed(static_cast<std::uint64_t>(opts_.seed + parallel_.rank()));
     models_.policy.to(device_);
-    if constexpr (Algorithm::requires_critic && CriticFactory<Model>) {
+    if constexpr (algorithm_type::requires_critic && CriticFactory<Model>) {
       models_.critic.emplace(models_.policy.make_critic());
       models_.critic->to(device_);
     }
@@ -169,16 +233,16 @@ class trainer {
       }
       parallel_.broadcast(state, 0);
     }
-    if constexpr (Algorithm::requires_reference) {
+    if constexpr (algorithm_type::requires_reference) {
       bool use = true;
-      if constexpr (requires(const Algorithm& a) { { a.uses_reference() } -> std::convertible_to<bool>; })
+      if constexpr (requires(const algorithm_type& a) { { a.uses_reference() } -> std::convertible_to<bool>; })
         use = algorithm_.uses_reference();
       if (use) models_.reference.emplace(frozen_copy(models_.policy));
     }
-    if constexpr (Algorithm::requires_ema_rollout) models_.ema.emplace(frozen_copy(models_.policy));
+    if constexpr (algorithm_type::requires_ema_rollout) models_.ema.emplace(frozen_copy(models_.policy));
 
     named_tensors named = models_.policy.named_parameters();
-    if constexpr (Algorithm::requires_critic && CriticFactory<Model>)
+    if constexpr (algorithm_type::requires_critic && CriticFactory<Model>)
       for (auto& [n, t] : models_.critic->named_parameters()) named.emplace_back("critic." + n, t);
     for (auto& [n, t] : named) {
       (void)n;
@@ -196,7 +260,9 @@ class trainer {
     auto seconds = [](clock::time_point a, clock::time_point b) { return std::chrono::duration<double>(b - a).count(); };
     step_stats s;
     s.step = step_;
-    const step_info info{step_, opts_.group_size, device_, &s.extra, opts_.epochs * opts_.minibatches};
+    deferred_checks checks;                        // checks of device values wait for this step's reads
+    std::map<std::string, torch::Tensor> pending;  // tensor figures the algorithm reports, read at the end
+    const step_info info{step_, opts_.group_size, device_, &s.extra, opts_.epochs * opts_.minibatches, &pending};
     optimizer_->set_lr_multiplier(train::lr_multiplier(schedule(), step_));
     s.learning_rate = optimizer_->learning_rate();
 
@@ -218,26 +284,33 @@ class trainer {
       for (const auto& [k, v] : reward_.last_components()) s.extra["reward/" + k] = v;
     const auto t2 = clock::now();
     s.samples = batch->size();
-    const bool rewards_ok = parallel_.all_agree(train::stability_guard::finite(rewards));
-    fill_reward_stats(s, rewards);
+    // One read: whether the rewards are finite, their statistics, and the checks deferred while sampling.
+    const torch::Tensor r64 = rewards.detach().to(device_, torch::kFloat64);
+    const auto first = read({r64.numel() > 0 ? torch::isfinite(r64).all() : torch::ones({}, f64()), reward_figures(r64)},
+                            checks);
+    const bool rewards_ok = parallel_.all_agree(first.at(0) != 0.0);
+    if (r64.numel() > 0) {
+      s.reward_mean = first.at(1);
+      s.reward_std = first.at(2);
+      s.reward_min = first.at(3);
+      s.reward_max = first.at(4);
+    }
 
     torch::Tensor adv;
     if (rewards_ok) {
       torch::NoGradGuard no_grad;
       adv = algorithm_.advantage(models_, *batch, rewards.to(device_), info);
-      if (adv.defined() && adv.numel() > 0) {
-        s.advantage_mean = adv.mean().item<double>();
-        s.advantage_std = adv.numel() > 1 ? adv.std().item<double>() : 0.0;
-      }
     }
     const auto t3 = clock::now();
+    update_result u;
     if (rewards_ok) {
-      update(*batch, info, s);
+      u = update(*batch, info, s, checks);
     } else {
       ++s.skipped_updates;
       guard_.count_skip();
       std::cerr << "unirl: step " << step_ << ": non-finite reward; update skipped, weights unchanged\n";
     }
+    finish_statistics(s, r64, adv, u, pending, checks);
     const auto t4 = clock::now();
     parallel_.sync_weights(models_.policy.parameters());
     sync_buffers();
@@ -275,14 +348,14 @@ class trainer {
       train::save_tensors(a, "policy.", state_of(models_.policy));
       if (models_.reference) train::save_tensors(a, "reference.", state_of(*models_.reference));
       if (models_.ema) train::save_tensors(a, "ema.", state_of(*models_.ema));
-      if constexpr (Algorithm::requires_critic && CriticFactory<Model>)
+      if constexpr (algorithm_type::requires_critic && CriticFactory<Model>)
         train::save_tensors(a, "critic.", state_of(*models_.critic));
       torch::serialize::OutputArchive opt, guard;
       optimizer_->save(opt);
       a.write("optimizer", opt);
       guard_.save(guard);
       a.write("guard", guard);
-      if constexpr (requires(const Algorithm& al, torch::serialize::OutputArchive& ar) { al.save(ar); }) {
+      if constexpr (requires(const algorithm_type& al, torch::serialize::OutputArchive& ar) { al.save(ar); }) {
         torch::serialize::OutputArchive alg;
         algorithm_.save(alg);
         a.write("algorithm", alg);
@@ -319,14 +392,14 @@ class trainer {
       train::load_tensors(a, "policy.", state_of(models_.policy));
       if (models_.reference) train::load_tensors(a, "reference.", state_of(*models_.reference));
       if (models_.ema) train::load_tensors(a, "ema.", state_of(*models_.ema));
-      if constexpr (Algorithm::requires_critic && CriticFactory<Model>)
+      if constexpr (algorithm_type::requires_critic && CriticFactory<Model>)
         train::load_tensors(a, "critic.", state_of(*models_.critic));
       torch::serialize::InputArchive opt, guard;
       a.read("optimizer", opt);
       optimizer_->load(opt);
       a.read("guard", guard);
       guard_.load(guard);
-      if constexpr (requires(Algorithm& al, torch::serialize::InputArchive& ar) { al.load(ar); }) {
+      if constexpr (requires(algorithm_type& al, torch::serialize::InputArchive& ar) { al.load(ar); }) {
         torch::serialize::InputArchive alg;
         a.read("algorithm", alg);
         algorithm_.load(alg);
@@ -357,7 +430,7 @@ class trainer {
   model_set<Model>& models() { return models_; }
   const model_set<Model>& models() const { return models_; }
   Reward& reward() { return reward_; }
-  Algorithm& algorithm() { return algorithm_; }
+  algorithm_type& algorithm() { return algorithm_; }
   Parallel& parallel() { return parallel_; }
   const options& settings() const { return opts_; }
   train::optimizer& optimizer() { return *optimizer_; }
@@ -403,7 +476,7 @@ class trainer {
   // The policy's (and critic's) parameters and buffers: what rank 0 broadcasts at construction.
   named_tensors trainable_state() const {
     named_tensors all = state_of(models_.policy);
-    if constexpr (Algorithm::requires_critic && CriticFactory<Model>)
+    if constexpr (algorithm_type::requires_critic && CriticFactory<Model>)
       for (auto& [n, t] : state_of(*models_.critic)) all.emplace_back("critic." + n, t);
     return all;
   }
@@ -418,7 +491,7 @@ class trainer {
       (void)n;
       buffers.push_back(b);
     }
-    if constexpr (Algorithm::requires_critic && CriticFactory<Model>)
+    if constexpr (algorithm_type::requires_critic && CriticFactory<Model>)
       for (auto& [n, b] : models_.critic->named_buffers()) {
         (void)n;
         buffers.push_back(b);
@@ -454,22 +527,127 @@ class trainer {
     UNIRL_CHECK(r.is_floating_point(), "reward returned dtype ", r.dtype(), "; expected a floating-point tensor");
   }
 
-  static void fill_reward_stats(step_stats& s, const torch::Tensor& rewards) {
-    const auto r = rewards.to(torch::kCPU, torch::kFloat64);
-    if (r.numel() == 0) return;
-    s.reward_mean = r.mean().item<double>();
-    s.reward_std = r.numel() > 1 ? r.std().item<double>() : 0.0;
-    s.reward_min = r.min().item<double>();
-    s.reward_max = r.max().item<double>();
+  torch::TensorOptions f64() const { return torch::TensorOptions(torch::kFloat64).device(device_); }
+
+  // Reads `parts` (scalars or 1-D, any dtype; undefined ones are left out) and the waiting
+  // deferred checks in one host read, throws the first failed check's message, and returns the
+  // parts' values in order.
+  std::vector<double> read(const std::vector<torch::Tensor>& parts, deferred_checks& checks) const {
+    std::vector<torch::Tensor> flat;
+    std::size_t n = 0;
+    for (const auto& p : parts) {
+      if (!p.defined()) continue;
+      flat.push_back(p.detach().reshape({-1}).to(device_, torch::kFloat64));
+      n += static_cast<std::size_t>(flat.back().numel());
+    }
+    const auto c = checks.values();
+    if (c.defined()) flat.push_back(c.to(device_));
+    auto all = flat.empty() ? std::vector<double>{} : to_host(torch::cat(flat));
+    if (c.defined()) checks.verify(std::vector<double>(all.begin() + static_cast<std::ptrdiff_t>(n), all.end()));
+    all.resize(n);
+    return all;
   }
 
-  void update(const rollout_type& batch, const step_info& info, step_stats& s) {
+  // Mean, std (unbiased; 0 for one value), min and max of float64 values: (4,), no read.
+  torch::Tensor reward_figures(const torch::Tensor& r) const {
+    if (r.numel() == 0) return torch::zeros({4}, f64());
+    return torch::stack({r.mean(), r.numel() > 1 ? r.std() : torch::zeros({}, f64()), r.min(), r.max()});
+  }
+
+  // What `update` hands to the statistics: sums over the optimizer steps taken.
+  struct update_result {
+    std::int64_t taken = 0;
+    double loss = 0, grad_norm = 0;  // read with the per-minibatch flag
+    detail::loss_sums sums{};
+  };
+
+  // Fills the step's statistics from device tensors with one read: advantage and loss figures
+  // (averaged over ranks through `all_reduce_mean`; rewards and advantages from all ranks' counts,
+  // sums and sums of squares; the reward range over ranks through `all_reduce_max` when the
+  // strategy has it), the algorithm's reported figures and the deferred checks. The `extra`
+  // figures are this rank's own.
+  void finish_statistics(step_stats& s, const torch::Tensor& r64, const torch::Tensor& adv, const update_result& u,
+                         const std::map<std::string, torch::Tensor>& pending, deferred_checks& checks) {
+    torch::NoGradGuard ng;
+    const auto zero = torch::zeros({}, f64());
+    auto sum_or_zero = [&](const torch::Tensor& t) { return t.defined() ? t.to(device_, torch::kFloat64) : zero; };
+    const double d = u.taken > 0 ? static_cast<double>(u.taken) : 1.0;
+    const auto a_own = adv.defined() ? adv.detach().reshape({-1}).to(device_) : torch::zeros({0}, f64());
+    const auto a = a_own.to(torch::kFloat64);
+    auto moments = [&](const torch::Tensor& x) {
+      return torch::stack({torch::full({}, static_cast<double>(x.numel()), f64()), x.sum(), x.square().sum()});
+    };
+    std::vector<torch::Tensor> core{moments(r64),
+                                    moments(a),
+                                    a.numel() > 0 ? a_own.mean().to(torch::kFloat64) : zero,
+                                    a.numel() > 1 ? a_own.std().to(torch::kFloat64) : zero,
+                                    sum_or_zero(u.sums.policy) / d,
+                                    sum_or_zero(u.sums.value) / d,
+                                    sum_or_zero(u.sums.kl) / d,
+                                    sum_or_zero(u.sums.entropy) / d,
+                                    u.taken > 0 ? sum_or_zero(u.sums.ratio) / d : torch::ones({}, f64()),
+                                    sum_or_zero(u.sums.clip) / d,
+                                    torch::full({}, u.loss / d, f64()),
+                                    torch::full({}, u.grad_norm / d, f64())};
+    for (auto& c : core) c = c.reshape({-1});
+    const bool many = parallel_.world_size() > 1;
+    torch::Tensor shared = torch::cat(core);
+    if (many) shared = parallel_.all_reduce_mean(shared);  // every rank: the same layout
+    torch::Tensor range;
+    if constexpr (requires(Parallel& p, const torch::Tensor& t) { p.all_reduce_max(t); })
+      if (many) range = parallel_.all_reduce_max(r64.numel() > 0 ? torch::stack({r64.max(), -r64.min()})
+                                                                 : torch::full({2}, -1e300, f64()));
+    std::vector<torch::Tensor> parts{shared, range};
+    std::vector<std::string> keys;
+    for (const auto& [k, v] : pending) {
+      keys.push_back(k);
+      parts.push_back(v);
+    }
+    for (const auto& [k, v] : u.sums.extra) {
+      keys.push_back(k);
+      parts.push_back(v / d);
+    }
+    const auto got = read(parts, checks);
+    std::size_t at = static_cast<std::size_t>(shared.numel());
+    if (many) {
+      auto moment_stats = [](double n, double sum, double sumsq, double& mean, double& sd) {
+        if (n <= 0) return;
+        mean = sum / n;
+        sd = n > 1 ? std::sqrt(std::max(0.0, (sumsq - n * mean * mean) / (n - 1))) : 0.0;
+      };
+      const double w = parallel_.world_size();
+      moment_stats(got[0] * w, got[1] * w, got[2] * w, s.reward_mean, s.reward_std);
+      moment_stats(got[3] * w, got[4] * w, got[5] * w, s.advantage_mean, s.advantage_std);
+      if (range.defined()) {
+        s.reward_max = got[at];
+        s.reward_min = -got[at + 1];
+        at += 2;
+      }
+    } else {
+      s.advantage_mean = got[6];
+      s.advantage_std = got[7];
+    }
+    if (u.taken > 0) {
+      s.policy_loss = got[8];
+      s.value_loss = got[9];
+      s.kl = got[10];
+      s.entropy = got[11];
+      s.ratio_mean = got[12];
+      s.clip_fraction = got[13];
+      s.loss = got[14];
+      s.grad_norm = got[15];
+    }
+    for (const auto& k : keys) s.extra[k] = got[at++];
+  }
+
+  // The optimizer steps of one rollout. Per minibatch one host read: the found-non-finite flag
+  // (loss and gradients), the loss, the gradient norm and the checks deferred by the loss's ops.
+  update_result update(const rollout_type& batch, const step_info& info, step_stats& s, deferred_checks& checks) {
     models_.policy.train(true);
     const std::int64_t n = batch.size();
     const std::int64_t mb_count = std::min(opts_.minibatches, std::max<std::int64_t>(n, 1));
-    double loss = 0, policy = 0, value = 0, kl = 0, entropy = 0, ratio = 0, clip = 0, gnorm = 0;
-    std::map<std::string, double> extra;
-    std::int64_t taken = 0;
+    update_result u;
+    auto add = [](torch::Tensor& acc, const torch::Tensor& x) { acc = acc.defined() ? acc + x : x; };
     for (std::int64_t e = 0; e < opts_.epochs; ++e) {
       const auto perm = mb_count > 1 || opts_.epochs > 1 ? torch::randperm(n, torch::kInt64)
                                                           : torch::arange(n, torch::kInt64);
@@ -479,56 +657,52 @@ class trainer {
         const auto mb = batch.select(perm.slice(0, lo, hi).to(device_));
         optimizer_->zero_grad();
         loss_terms terms = algorithm_.loss(models_, mb, info);
-        const double lv = terms.total.item<double>();
-        const bool finite = parallel_.all_agree(train::stability_guard::finite(lv));
-        const bool spike = finite && guard_.observe_loss(lv);
-        s.loss_spike = s.loss_spike || spike;
-        if (!finite || (spike && opts_.guard.skip_loss_spikes)) {
-          skip(s, finite ? "loss spike" : "non-finite loss");
-          continue;
-        }
         terms.total.backward();
         parallel_.all_reduce_gradients(params_);
-        if (!parallel_.all_agree(train::stability_guard::grads_finite(params_))) {
+        for (std::size_t g = 0; g < optimizer_->group_count(); ++g)
+          if (optimizer_->group_max_grad_norm(g) > 0)
+            train::clip_grads(optimizer_->group_params(g), train::grad_norm_tensor(optimizer_->group_params(g)),
+                              optimizer_->group_max_grad_norm(g));
+        const torch::Tensor norm = train::grad_norm_tensor(params_);
+        const torch::Tensor bad_grads = train::stability_guard::nonfinite_grads(params_);
+        const auto got = read({torch::isfinite(terms.total.detach()).all(),
+                               bad_grads.defined() ? bad_grads : torch::zeros({}, torch::kBool),
+                               terms.total.detach(), norm},
+                              checks);
+        const double lv = got.at(2), gn = got.at(3);
+        const bool loss_ok = parallel_.all_agree(got.at(0) != 0.0);
+        const bool spike = loss_ok && guard_.observe_loss(lv);
+        s.loss_spike = s.loss_spike || spike;
+        if (!loss_ok || (spike && opts_.guard.skip_loss_spikes)) {
+          optimizer_->zero_grad();
+          skip(s, loss_ok ? "loss spike" : "non-finite loss");
+          continue;
+        }
+        if (!parallel_.all_agree(got.at(1) == 0.0)) {
           optimizer_->zero_grad();
           skip(s, "non-finite gradient");
           continue;
         }
-        for (std::size_t g = 0; g < optimizer_->group_count(); ++g)
-          if (optimizer_->group_max_grad_norm(g) > 0)
-            train::clip_grad_norm(optimizer_->group_params(g), optimizer_->group_max_grad_norm(g));
-        const double norm = opts_.clip.max_grad_norm > 0 ? train::clip_grad_norm(params_, opts_.clip.max_grad_norm)
-                                                         : train::grad_norm(params_);
-        s.grad_spike = guard_.observe_grad_norm(norm) || s.grad_spike;
+        if (opts_.clip.max_grad_norm > 0) train::clip_grads(params_, norm, opts_.clip.max_grad_norm);
+        s.grad_spike = guard_.observe_grad_norm(gn) || s.grad_spike;
         optimizer_->step();
-        if constexpr (requires(Algorithm& a) { a.after_optimizer_step(models_); })
+        if constexpr (requires(algorithm_type& a) { a.after_optimizer_step(models_); })
           algorithm_.after_optimizer_step(models_);
-        ++taken;
-        loss += lv;
-        policy += terms.policy;
-        value += terms.value;
-        kl += terms.kl;
-        entropy += terms.entropy;
-        ratio += terms.ratio_mean;
-        clip += terms.clip_fraction;
-        gnorm += norm;
-        for (const auto& [k, v] : terms.extra) extra[k] += v;
+        ++u.taken;
+        u.loss += lv;
+        u.grad_norm += gn;
+        add(u.sums.policy, terms.policy.tensor(device_));
+        add(u.sums.value, terms.value.tensor(device_));
+        add(u.sums.kl, terms.kl.tensor(device_));
+        add(u.sums.entropy, terms.entropy.tensor(device_));
+        add(u.sums.ratio, terms.ratio_mean.tensor(device_));
+        add(u.sums.clip, terms.clip_fraction.tensor(device_));
+        for (const auto& [k, v] : terms.extra) add(u.sums.extra[k], v.tensor(device_));
       }
     }
     optimizer_->zero_grad();
-    s.optimizer_steps = taken;
-    if (taken > 0) {
-      const double d = static_cast<double>(taken);
-      s.loss = loss / d;
-      s.policy_loss = policy / d;
-      s.value_loss = value / d;
-      s.kl = kl / d;
-      s.entropy = entropy / d;
-      s.ratio_mean = ratio / d;
-      s.clip_fraction = clip / d;
-      s.grad_norm = gnorm / d;
-      for (const auto& [k, v] : extra) s.extra[k] = v / d;
-    }
+    s.optimizer_steps = u.taken;
+    return u;
   }
 
   void skip(step_stats& s, const char* why) {
@@ -550,7 +724,7 @@ class trainer {
   Parallel parallel_;
   model_set<Model> models_;
   Reward reward_;
-  Algorithm algorithm_;
+  algorithm_type algorithm_;
   train::stability_guard guard_;
   std::vector<torch::Tensor> params_;
   std::unique_ptr<train::optimizer> optimizer_;

@@ -6,9 +6,15 @@
 #include <unirl/algorithms/ppo_env.hpp>
 #include <unirl/envs/cartpole.hpp>
 #include <unirl/envs/vector_env.hpp>
+#include <unirl/models/module_adapter.hpp>
 
 #include <cmath>
+#include <filesystem>
+#include <fstream>
 #include <iostream>
+#include <string>
+
+#include <unistd.h>
 
 struct linear_agentImpl : torch::nn::Cloneable<linear_agentImpl> {
   linear_agentImpl() { reset(); }
@@ -47,11 +53,43 @@ static_assert(unirl::RewardFor<centred_reward, unirl::env_rollout>);
 
 using my_trainer = unirl::trainer<my_model, unirl::algo::ppo<>, centred_reward>;
 
+// YAML recipes work exactly when the build machine had yaml-cpp (UNIRL_EXPECT_YAML, from CMake's
+// own find_package(yaml-cpp) in the project that ran these tests): an installed unirl must
+// carry that choice to its consumers, whatever yaml-cpp's version calls its target.
+static bool yaml_as_expected() {
+#if defined(UNIRL_EXPECT_YAML)
+  constexpr bool expected = UNIRL_EXPECT_YAML;
+#if defined(UNIRL_WITH_YAML)
+  constexpr bool with_yaml = true;
+#else
+  constexpr bool with_yaml = false;
+#endif
+  if (with_yaml != expected) {
+    std::cerr << "UNIRL_WITH_YAML is " << (with_yaml ? "defined" : "not defined") << "; expected "
+              << (expected ? "defined: yaml-cpp is installed" : "not defined: yaml-cpp is not installed") << "\n";
+    return false;
+  }
+  if constexpr (with_yaml) {
+    const auto path = std::filesystem::temp_directory_path() / ("unirl_consumer_" + std::to_string(::getpid()) + ".yaml");
+    std::ofstream(path) << "lr: 0.25\nweight_decay: 0.5\n";
+    unirl::train::optimizer_options o;
+    unirl::options::load_recipe(o, path.string());
+    std::filesystem::remove(path);
+    if (o.lr != 0.25 || o.weight_decay != 0.5) {
+      std::cerr << "YAML recipe read lr = " << o.lr << ", weight_decay = " << o.weight_decay << "; expected 0.25, 0.5\n";
+      return false;
+    }
+  }
+#endif
+  return true;
+}
+
 int main() {
+  if (!yaml_as_expected()) return 1;
   torch::manual_seed(0);
   unirl::envs::vector_env<unirl::envs::cartpole> env({}, {.num_envs = 2});
   my_trainer t(my_model{linear_agent()}, {},
-               {.algorithm = {.rollout_steps = 32}, .optim = {.lr = 1e-2}, .epochs = 2, .minibatches = 2,
+               {.algorithm = {.track = {.rollout_steps = 32}}, .optim = {.lr = 1e-2}, .epochs = 2, .minibatches = 2,
                 .progress = false});
   for (int i = 0; i < 3; ++i) {
     const auto s = t.step(env);

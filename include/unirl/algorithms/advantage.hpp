@@ -1,7 +1,9 @@
 #pragma once
 /// \file advantage.hpp
-/// Advantage estimators shared by every track (ALGORITHMS.md §1): group-normalised (GRPO),
-/// Dr.GRPO (no std), RLOO, GAE (CleanRL convention) and whitening.
+/// Advantage estimators shared by every track (docs/algorithms/grpo.md, docs/algorithms/ppo.md):
+/// group-normalised (GRPO), Dr.GRPO (no std), RLOO, GAE (CleanRL convention) and whitening. Each
+/// takes the execution policy first (`exec::automatic` by default); `gae` has a fused CPU loop, the
+/// others only the reference, so every policy runs the same LibTorch ops for them.
 ///
 /// ```cpp
 /// auto r = torch::tensor({1.f, 0.f, 0.f, 1.f});                    // two groups of two
@@ -13,6 +15,7 @@
 #include <torch/torch.h>
 
 #include <unirl/core/error.hpp>
+#include <unirl/exec/policy.hpp>
 
 namespace unirl::algo {
 
@@ -46,28 +49,34 @@ inline torch::Tensor constant_groups(const torch::Tensor& grouped) {
 ///
 /// `rewards` is (B*G,), grouped contiguously: samples `[g*G, (g+1)*G)` share one prompt or
 /// condition. A group of size 1 or whose rewards are all equal gives exactly 0 (never NaN).
-inline torch::Tensor group_advantage(const torch::Tensor& rewards, std::int64_t group_size,
-                                     const group_advantage_options& o = {}) {
+template <ExecutionPolicy Exec = exec::automatic>
+torch::Tensor group_advantage(const torch::Tensor& rewards, std::int64_t group_size,
+                              const group_advantage_options& o = {}) {
   const auto r = detail::as_float_rewards(rewards, group_size, "group_advantage");
   UNIRL_CHECK(o.eps >= 0.0, "group_advantage: eps = ", o.eps, ": expected >= 0");
   if (group_size == 1 || r.numel() == 0) return torch::zeros_like(r);
-  const auto g = r.reshape({-1, group_size});                          // (B, G)
-  auto adv = g - g.mean(1, /*keepdim=*/true);
-  if (o.scale_by_std) adv = adv / (g.std(1, o.unbiased_std, /*keepdim=*/true) + o.eps);
-  adv = torch::where(detail::constant_groups(g), torch::zeros_like(adv), adv);
-  return adv.reshape({-1});
+  return exec::dispatch<Exec>(r, [&] {
+    const auto g = r.reshape({-1, group_size});                        // (B, G)
+    auto adv = g - g.mean(1, /*keepdim=*/true);
+    if (o.scale_by_std) adv = adv / (g.std(1, o.unbiased_std, /*keepdim=*/true) + o.eps);
+    adv = torch::where(detail::constant_groups(g), torch::zeros_like(adv), adv);
+    return adv.reshape({-1});
+  });
 }
 
 /// RLOO (arXiv 2402.14740): `A_i = r_i - mean_{j != i} r_j = k/(k-1) (r_i - mean_g)`.
 /// 0 for a group of size 1 or a group whose rewards are all equal.
-inline torch::Tensor rloo_advantage(const torch::Tensor& rewards, std::int64_t group_size) {
+template <ExecutionPolicy Exec = exec::automatic>
+torch::Tensor rloo_advantage(const torch::Tensor& rewards, std::int64_t group_size) {
   const auto r = detail::as_float_rewards(rewards, group_size, "rloo_advantage");
   if (group_size == 1 || r.numel() == 0) return torch::zeros_like(r);
-  const auto g = r.reshape({-1, group_size});
-  const double k = static_cast<double>(group_size);
-  auto adv = (g - g.mean(1, /*keepdim=*/true)) * (k / (k - 1.0));
-  adv = torch::where(detail::constant_groups(g), torch::zeros_like(adv), adv);
-  return adv.reshape({-1});
+  return exec::dispatch<Exec>(r, [&] {
+    const auto g = r.reshape({-1, group_size});
+    const double k = static_cast<double>(group_size);
+    auto adv = (g - g.mean(1, /*keepdim=*/true)) * (k / (k - 1.0));
+    adv = torch::where(detail::constant_groups(g), torch::zeros_like(adv), adv);
+    return adv.reshape({-1});
+  });
 }
 
 /// Advantages and returns of `gae`, both (T, N).
@@ -76,7 +85,8 @@ struct gae_result {
   torch::Tensor returns;     // (T, N) = advantages + values
 };
 
-/// Generalised advantage estimation in CleanRL's convention (ALGORITHMS.md §1).
+/// Generalised advantage estimation in CleanRL's convention (docs/algorithms/ppo.md). `exec::cpu`
+/// (and `automatic` on CPU) runs one fused pass in double; `exec::reference` the tensor recursion.
 ///
 /// `rewards`, `values`, `dones`: (T, N); `dones[t] = 1` when observation t is the first of a new
 /// episode (the previous step ended one). `next_value`, `next_done`: (N,), the value and done flag
@@ -85,7 +95,8 @@ struct gae_result {
 /// ```cpp
 /// auto [adv, ret] = unirl::algo::gae(r, v, d, v_next, d_next, 0.99, 0.95);
 /// ```
-inline gae_result gae(const torch::Tensor& rewards, const torch::Tensor& values, const torch::Tensor& dones,
+template <ExecutionPolicy Exec = exec::automatic>
+gae_result gae(const torch::Tensor& rewards, const torch::Tensor& values, const torch::Tensor& dones,
                       const torch::Tensor& next_value, const torch::Tensor& next_done, double gamma, double lambda) {
   UNIRL_CHECK(rewards.defined() && values.defined() && dones.defined() && next_value.defined() && next_done.defined(),
               "gae: every input must be defined");
@@ -103,8 +114,7 @@ inline gae_result gae(const torch::Tensor& rewards, const torch::Tensor& values,
   const auto dtype = values.is_floating_point() ? values.scalar_type() : torch::kFloat;
   const auto r = rewards.to(dtype), v = values.to(dtype), d = dones.to(dtype);
   const auto nv = next_value.reshape({N}).to(dtype), nd = next_done.reshape({N}).to(dtype);
-  torch::Tensor adv;
-  if (r.device().is_cpu()) {
+  auto fused = [&] {
     // One fused pass over contiguous memory, in double, back to the values' dtype.
     const auto rc = r.to(torch::kDouble).contiguous(), vc = v.to(torch::kDouble).contiguous(),
                dc = d.to(torch::kDouble).contiguous(), nvc = nv.to(torch::kDouble).contiguous(),
@@ -123,9 +133,10 @@ inline gae_result gae(const torch::Tensor& rewards, const torch::Tensor& values,
         pa[t * N + n] = last;
       }
     }
-    adv = out.to(dtype);
-  } else {
-    adv = torch::empty_like(v);
+    return out.to(dtype);
+  };
+  auto reference = [&] {
+    auto adv = torch::empty_like(v);
     auto last = torch::zeros_like(nv);
     for (std::int64_t t = T - 1; t >= 0; --t) {
       const auto nonterminal = 1.0 - (t == T - 1 ? nd : d[t + 1]);
@@ -134,28 +145,36 @@ inline gae_result gae(const torch::Tensor& rewards, const torch::Tensor& values,
       last = delta + gamma * lambda * nonterminal * last;
       adv[t] = last;
     }
-  }
+    return adv;
+  };
+  const torch::Tensor adv = exec::dispatch<Exec>(r, reference, fused);
   return {adv, adv + v};
 }
 
 /// Whitening: `(x - mean) / (unbiased std + eps)` over all elements. A single element gives 0.
-inline torch::Tensor normalize(const torch::Tensor& x, double eps = 1e-8) {
+template <ExecutionPolicy Exec = exec::automatic>
+torch::Tensor normalize(const torch::Tensor& x, double eps = 1e-8) {
   UNIRL_CHECK(x.defined() && x.is_floating_point(), "normalize: expected a defined floating tensor");
-  if (x.numel() < 2) return x - x.mean();
-  return (x - x.mean()) / (x.std(/*unbiased=*/true) + eps);
+  return exec::dispatch<Exec>(x, [&] {
+    if (x.numel() < 2) return x - x.mean();
+    return (x - x.mean()) / (x.std(/*unbiased=*/true) + eps);
+  });
 }
 
-/// Whitening over the elements where `mask` is non-zero; masked elements come out 0.
-inline torch::Tensor masked_normalize(const torch::Tensor& x, const torch::Tensor& mask, double eps = 1e-8) {
+/// Whitening over the elements where `mask` is non-zero; masked elements come out 0, and so does
+/// everything when fewer than two elements are valid. No host synchronisation.
+template <ExecutionPolicy Exec = exec::automatic>
+torch::Tensor masked_normalize(const torch::Tensor& x, const torch::Tensor& mask, double eps = 1e-8) {
   UNIRL_CHECK(x.sizes() == mask.sizes(), "masked_normalize: x sizes ", x.sizes(), " differ from mask sizes ",
               mask.sizes());
-  const auto m = mask.to(x.scalar_type());
-  const auto n = m.sum();
-  const double count = n.item<double>();
-  if (count < 2.0) return torch::zeros_like(x);
-  const auto mean = (x * m).sum() / n;
-  const auto var = ((x - mean).square() * m).sum() / (n - 1.0);
-  return (x - mean) / (var.sqrt() + eps) * m;
+  return exec::dispatch<Exec>(x, [&] {
+    const auto m = mask.to(x.scalar_type());
+    const auto n = m.sum();
+    const auto mean = (x * m).sum() / n.clamp_min(1.0);
+    const auto var = ((x - mean).square() * m).sum() / (n - 1.0).clamp_min(1.0);
+    const auto out = (x - mean) / (var.sqrt() + eps) * m;
+    return torch::where(n >= 2.0, out, torch::zeros_like(out));
+  });
 }
 
 }  // namespace unirl::algo

@@ -1,6 +1,6 @@
 #pragma once
 /// \file diffusion_nft.hpp
-/// DiffusionNFT (arXiv 2509.16117, ALGORITHMS.md §4): online RL on the forward process. With
+/// DiffusionNFT (arXiv 2509.16117, docs/flow.md): online RL on the forward process. With
 /// `r = 0.5 + 0.5 clip(A / Z, -1, 1)` in [0, 1], an implicit positive and negative policy
 /// `v+ = (1-beta) v_old + beta v_theta`, `v- = (1+beta) v_old - beta v_theta`, and
 /// `L = r ||v+ - (eps - x0)||^2 + (1-r) ||v- - (eps - x0)||^2` (squared norms as means over
@@ -20,10 +20,10 @@
 
 #include <unirl/algorithms/flow_common.hpp>
 #include <unirl/concepts/algorithm.hpp>
+#include <unirl/concepts/flow.hpp>
 #include <unirl/core/context.hpp>
 #include <unirl/core/options.hpp>
 #include <unirl/core/stats.hpp>
-#include <unirl/models/flow.hpp>
 #include <unirl/rollout/flow.hpp>
 #include <unirl/rollout/flow_samplers.hpp>
 
@@ -75,9 +75,10 @@ class diffusion_nft : public flow::algorithm_base<diffusion_nft_options, Sampler
   explicit diffusion_nft(const options& o = {}) : base(o) {}
 
 
+  // Velocity models only (flow_model, video_flow_model): `AlgorithmFor` is false for a DDPM model.
   template <class M>
+    requires VelocityModel<M>
   loss_terms loss(model_set<M>& ms, const rollout::flow_rollout& mb, const step_info&) {
-    static_assert(models::VelocityModel<M>, "diffusion_nft: the model must predict velocities (flow_model, video_flow_model)");
     UNIRL_CHECK(mb.advantages.defined(), "diffusion_nft: the minibatch has no advantages (advantage() not run)");
     const auto d = this->opts_.draws;
     const torch::Tensor x0 = mb.samples().repeat_interleave(d, 0);
@@ -97,7 +98,7 @@ class diffusion_nft : public flow::algorithm_base<diffusion_nft_options, Sampler
     }
     loss_terms out;
     out.total = nft_loss(v, v_old, eps - x0, r, this->opts_.beta);
-    out.policy = out.total.item<double>();
+    out.policy = out.total.detach();
     return out;
   }
 

@@ -21,8 +21,10 @@
 #include <torch/torch.h>
 
 #include <unirl/algorithms/advantage.hpp>
+#include <unirl/concepts/flow_sampler.hpp>
 #include <unirl/core/context.hpp>
 #include <unirl/core/error.hpp>
+#include <unirl/core/host.hpp>
 #include <unirl/core/options.hpp>
 #include <unirl/core/stats.hpp>
 #include <unirl/rollout/flow.hpp>
@@ -69,10 +71,10 @@ inline torch::Tensor group_advantages(rollout::flow_rollout& b, const torch::Ten
 /// The steps a loss trains on: the stochastic steps (std > 0), the first
 /// `max(1, round(fraction * n))` of them (Flow-GRPO's `timestep_fraction`).
 inline std::vector<std::int64_t> trained_steps(const rollout::flow_rollout& b, double fraction) {
-  const auto stds = b.stds.select(0, 0).to(torch::kCPU);
+  const auto stds = to_host(b.stds.select(0, 0));  // one read
   std::vector<std::int64_t> s;
-  for (std::int64_t k = 0; k < stds.size(0); ++k)
-    if (stds[k].item<double>() > 0.0) s.push_back(k);
+  for (std::size_t k = 0; k < stds.size(); ++k)
+    if (stds[k] > 0.0) s.push_back(static_cast<std::int64_t>(k));
   UNIRL_CHECK(!s.empty(), "flow loss: the rollout has no stochastic step (was it drawn with an ODE sampler?); "
                           "policy-gradient losses need an SDE sampler");
   const auto n = std::max<std::int64_t>(1, std::llround(fraction * static_cast<double>(s.size())));
@@ -128,13 +130,17 @@ class algorithm_base {
   const options& settings() const { return opts_; }
   const Sampler& sampler() const { return sampler_; }
 
+  // Constrained on the sampler: `AlgorithmFor` is false for a model the sampler cannot drive
+  // (a noise-prediction model under a velocity sampler, and the other way round).
   template <class M>
+    requires SamplerFor<Sampler, M>
   rollout::flow_rollout sample(model_set<M>& ms, const torch::Tensor& conditions, const step_info& info) {
     if constexpr (FromEma) return sample_groups(sampler_, ms.ema ? *ms.ema : ms.policy, conditions, info);
     else return sample_groups(sampler_, ms.policy, conditions, info);
   }
 
   template <class M>
+    requires SamplerFor<Sampler, M>
   torch::Tensor advantage(model_set<M>&, rollout::flow_rollout& b, const torch::Tensor& rewards,
                           const step_info& info) {
     return group_advantages(b, rewards, info, opts_.advantage);
@@ -176,8 +182,11 @@ class ratio_algorithm_base : public algorithm_base<Options, Sampler, false> {
                                                    : mb.advantages;
     const bool kl_on = o.beta > 0.0;
     UNIRL_CHECK(!kl_on || ms.reference.has_value(), name, ": beta = ", o.beta, " but no reference model");
-    torch::Tensor total;
-    double policy = 0, kl = 0, ratio_sum = 0;
+    torch::Tensor total, policy, kl, ratio_sum;  // figures as detached tensors: read once per step
+    auto add = [](torch::Tensor& acc, const torch::Tensor& x) {
+      const auto v = x.detach().to(torch::kFloat64);  // summed in double, as the figures always were
+      acc = acc.defined() ? acc + v : v;
+    };
     for (const auto k : steps) {
       const rollout::replayed_step r = rollout::replay_step(this->sampler_, ms.policy, mb, k);
       const torch::Tensor ratio = torch::exp(r.log_prob - mb.log_probs.select(1, k));
@@ -193,17 +202,17 @@ class ratio_algorithm_base : public algorithm_base<Options, Sampler, false> {
         const torch::Tensor klk =
             rollout::gaussian_kl(r.step.mean, ref_mean, r.step.std, this->sampler_.reduction()).mean();
         term = term + o.beta * klk;
-        kl += klk.item<double>();
+        add(kl, klk);
       }
       total = total.defined() ? total + term : term;
-      policy += pl.item<double>();
-      ratio_sum += ratio.mean().item<double>();
+      add(policy, pl);
+      add(ratio_sum, ratio.mean());
     }
     const double n = static_cast<double>(steps.size());
     loss_terms out;
     out.total = total / n;
     out.policy = policy / n;
-    out.kl = kl / n;
+    if (kl.defined()) out.kl = kl / n;
     out.ratio_mean = ratio_sum / n;
     return {std::move(out), n};
   }

@@ -1,6 +1,6 @@
 #pragma once
 /// \file flow_dppo.hpp
-/// Flow-DPPO (UniRL `flowdppo.py`, ALGORITHMS.md §4): no ratio clip; a trust-region mask from
+/// Flow-DPPO (UniRL `flowdppo.py`, docs/flow.md): no ratio clip; a trust-region mask from
 /// the exact Gaussian KL between the current and the sampling policy's step. Per (sample, step):
 /// `KL_k = mean over elements of (mu_new - mu_old)^2 / (2 s_k^2)`; the term is dropped
 /// (`keep = 0`) only when `KL_k >= delta` and the ratio moved in the direction the advantage
@@ -64,7 +64,8 @@ class flow_dppo : public flow::ratio_algorithm_base<flow_dppo_options, Sampler> 
   /// `-A rho keep` over the trained steps of the minibatch (+ beta KL); see the file comment.
   template <class M>
   loss_terms loss(model_set<M>& ms, const rollout::flow_rollout& mb, const step_info&) {
-    double masked = 0, kl_old = 0;
+    const auto f64 = torch::TensorOptions(torch::kFloat64).device(mb.trajectory.device());
+    torch::Tensor masked = torch::zeros({}, f64), kl_old = torch::zeros({}, f64);
     auto [out, n] = this->ratio_loss(
         "flow_dppo", ms, mb,
         [&](std::int64_t k, const rollout::replayed_step& r, const torch::Tensor& ratio, const torch::Tensor& a) {
@@ -77,8 +78,8 @@ class flow_dppo : public flow::ratio_algorithm_base<flow_dppo_options, Sampler> 
             const auto pushed = ((ratio > 1.0) & (a > 0)) | ((ratio < 1.0) & (a < 0));
             keep = torch::logical_not((kl_k >= this->opts_.delta) & pushed).to(ratio.scalar_type());
           }
-          masked += 1.0 - keep.to(torch::kFloat64).mean().item<double>();
-          kl_old += kl_k.to(torch::kFloat64).mean().item<double>();
+          masked = masked + (1.0 - keep.to(torch::kFloat64).mean());
+          kl_old = kl_old + kl_k.to(torch::kFloat64).mean();
           return (-a * ratio * keep).mean();
         });
     out.clip_fraction = masked / n;

@@ -1,6 +1,6 @@
 #pragma once
 /// \file flow_grpo.hpp
-/// Flow-GRPO (arXiv 2505.05470, ALGORITHMS.md §4): group advantages per condition, then per
+/// Flow-GRPO (arXiv 2505.05470, docs/flow.md): group advantages per condition, then per
 /// (sample, trained step) the clipped surrogate `max(-A rho, -A clip(rho, 1 +- eps))` on the
 /// SDE's Gaussian log-probs, advantages clipped to `+-adv_clip_max`, plus optionally
 /// `beta * KL(pi || pi_ref)` in closed form; averaged over samples and trained steps.
@@ -68,11 +68,11 @@ class flow_grpo : public flow::ratio_algorithm_base<flow_grpo_options, Sampler> 
   template <class M>
   loss_terms loss(model_set<M>& ms, const rollout::flow_rollout& mb, const step_info&) {
     const double eps = this->opts_.clip_range;
-    double clipped = 0;
+    torch::Tensor clipped = torch::zeros({}, torch::TensorOptions(torch::kFloat64).device(mb.trajectory.device()));
     auto [out, n] = this->ratio_loss("flow_grpo", ms, mb,
                                      [&](std::int64_t, const rollout::replayed_step&, const torch::Tensor& ratio,
                                          const torch::Tensor& a) {
-                                       clipped += ((ratio - 1.0).abs() > eps).to(torch::kFloat64).mean().item<double>();
+                                       clipped = clipped + ((ratio.detach() - 1.0).abs() > eps).to(torch::kFloat64).mean();
                                        return torch::max(-a * ratio, -a * ratio.clamp(1.0 - eps, 1.0 + eps)).mean();
                                      });
     out.clip_fraction = clipped / n;

@@ -1,14 +1,16 @@
 #pragma once
 /// \file grpo.hpp
-/// GRPO and its family on the token track (ALGORITHMS.md §1–2), variants as options:
+/// GRPO and its family on the token track (docs/algorithms/grpo.md), variants as options:
 /// - GRPO (DeepSeekMath): group-normalised advantages, PPO clip, beta * k3 KL, `seq_mean_token_mean`;
 /// - DAPO: `clip_high = 0.28`, `agg = token_mean`, `kl_coef = 0`, `dynamic_sampling`, `overlong_buffer`;
 /// - Dr.GRPO: `advantage = dr_grpo`, `agg = seq_mean_token_sum_norm`;
-/// - RLOO and REINFORCE++ advantages; the DPPO token mask instead of the clip (`dppo_mask`);
-/// - `pack_sequences`: the update forward runs on the minibatch packed without padding (same loss);
-/// - `share_prompt` (default): the update forward runs each distinct prompt once for its group;
+/// - RLOO and REINFORCE++ advantages; the DPPO token mask instead of the clip (`dppo_mask`); the
+///   outcome estimators are the policy types of estimators.hpp, one implementation each;
+/// - `layout`: how the update forward lays out a minibatch — `shared_prompt` (default: each
+///   distinct prompt once for its group), `packed` (no padding), `padded`; the same loss;
 /// - `reuse_on_policy_logp` (default): a step with one update takes pi_old from that update's
 ///   forward instead of a separate forward after sampling (same values, one forward fewer).
+/// `grpo<Exec>` passes the execution policy to every op it calls (log-probs, losses, advantages).
 ///
 /// ```cpp
 /// using algo = unirl::algo::grpo<>;
@@ -31,18 +33,21 @@
 #include <torch/torch.h>
 
 #include <unirl/algorithms/advantage.hpp>
+#include <unirl/algorithms/estimators.hpp>
 #include <unirl/algorithms/kl.hpp>
 #include <unirl/algorithms/loss_agg.hpp>
 #include <unirl/algorithms/policy_loss.hpp>
 #include <unirl/algorithms/token_common.hpp>
 #include <unirl/concepts/algorithm.hpp>
+#include <unirl/concepts/causal_lm.hpp>
+#include <unirl/concepts/execution.hpp>
 #include <unirl/core/context.hpp>
 #include <unirl/core/options.hpp>
 #include <unirl/core/stats.hpp>
 #include <unirl/exec/policy.hpp>
-#include <unirl/models/causal_lm.hpp>
 #include <unirl/rollout/sampling.hpp>
 #include <unirl/rollout/token.hpp>
+#include <unirl/rollout/token_logprob.hpp>
 
 namespace unirl::algo {
 
@@ -84,8 +89,7 @@ struct grpo_options {
   double overlong_factor = 1.0;         // scale of that penalty
   bool recompute_old_logp = true;       // pi_old from the training forward (ratio exactly 1 on-policy)
   bool reuse_on_policy_logp = true;     // one update per step: pi_old = that update's own forward, detached
-  bool share_prompt = true;             // update forward: each distinct prompt once, shared by its group
-  bool pack_sequences = false;          // update forward on the minibatch packed into one row, no padding
+  rollout::update_layout layout = rollout::update_layout::shared_prompt;  // update forward's layout
   sampling_options sampling{};
 
   void validate(const std::string& p) const {
@@ -108,52 +112,18 @@ struct grpo_options {
 BOOST_HANA_ADAPT_STRUCT(unirl::algo::grpo_options, clip_low, clip_high, dual_clip, kl_coef, kl, agg, max_len,
                         advantage, unbiased_std, adv_eps, gamma, ent_coef, dppo_mask, dppo_delta, dynamic_sampling,
                         max_resample_rounds, overlong_buffer, overlong_factor, recompute_old_logp, reuse_on_policy_logp,
-                        share_prompt, pack_sequences,
-                        sampling);
+                        layout, sampling);
 
 namespace unirl::algo {
 
 namespace detail {
-// Concatenates rollouts of possibly different widths (prompts left-padded, completions right-padded).
-inline token_rollout concat_rollouts(const std::vector<token_rollout>& parts, std::int64_t pad_id) {
-  std::int64_t P = 0, T = 0;
-  for (const auto& r : parts) {
-    P = std::max(P, r.prompt_ids.size(1));
-    T = std::max(T, r.completion_ids.size(1));
-  }
-  auto cat = [&](auto get, bool left, std::int64_t width, double fill) {
-    std::vector<torch::Tensor> xs;
-    for (const auto& r : parts) {
-      const torch::Tensor& x = get(r);
-      if (!x.defined()) return torch::Tensor{};
-      const auto pad = width - x.size(1);
-      xs.push_back(pad == 0 ? x : torch::constant_pad_nd(x, left ? std::vector<std::int64_t>{pad, 0}
-                                                                 : std::vector<std::int64_t>{0, pad}, fill));
-    }
-    return torch::cat(xs, 0);
-  };
-  token_rollout out;
-  const double pad = static_cast<double>(pad_id);
-  out.prompt_ids = cat([](const token_rollout& r) -> const torch::Tensor& { return r.prompt_ids; }, true, P, pad);
-  out.prompt_mask = cat([](const token_rollout& r) -> const torch::Tensor& { return r.prompt_mask; }, true, P, 0.0);
-  out.completion_ids = cat([](const token_rollout& r) -> const torch::Tensor& { return r.completion_ids; }, false, T, pad);
-  out.completion_mask = cat([](const token_rollout& r) -> const torch::Tensor& { return r.completion_mask; }, false, T, 0.0);
-  out.old_logp = cat([](const token_rollout& r) -> const torch::Tensor& { return r.old_logp; }, false, T, 0.0);
-  out.ref_logp = cat([](const token_rollout& r) -> const torch::Tensor& { return r.ref_logp; }, false, T, 0.0);
-  std::vector<torch::Tensor> pi;
-  for (const auto& r : parts) {
-    pi.push_back(r.prompt_index);
-    out.prompts.insert(out.prompts.end(), r.prompts.begin(), r.prompts.end());
-    out.completions.insert(out.completions.end(), r.completions.begin(), r.completions.end());
-    out.references.insert(out.references.end(), r.references.begin(), r.references.end());
-  }
-  out.prompt_index = torch::cat(pi, 0);
-  return out;
-}
+// Concatenates rollouts of possibly different widths (written once over the batch's members,
+// rollout/token.hpp).
+using unirl::concat_rollouts;
 }  // namespace detail
 
-/// The GRPO family (see the file comment). `Exec` selects kernels of the hot ops.
-template <class Exec = exec::automatic>
+/// The GRPO family (see the file comment). `Exec` selects the implementation of every op it calls.
+template <ExecutionPolicy Exec = exec::automatic>
 class grpo {
  public:
   using options = grpo_options;
@@ -180,7 +150,7 @@ class grpo {
 
   template <CausalLM M>
   token_rollout sample(model_set<M>& models, const prompt_batch& input, const step_info& info) {
-    auto batch = sample_for_update(models, input, info, o_.sampling, recomputes_at_sampling(info), layout());
+    auto batch = sample_for_update<Exec>(models, input, info, o_.sampling, recomputes_at_sampling(info), o_.layout);
     if (!o_.dynamic_sampling) return batch;
     UNIRL_CHECK(static_cast<bool>(filter_), "grpo: dynamic_sampling = true needs the reward to filter groups: call "
                                             "trainer.algorithm().set_filter_reward(...)");
@@ -194,24 +164,22 @@ class grpo {
     auto r = rewards.to(mask.device(), torch::kFloat);
     if (o_.overlong_buffer > 0) {
       const auto pen = overlong_penalty(batch.lengths(), o_.sampling.max_new_tokens, o_.overlong_buffer);
-      info.report("overlong_penalty", pen.mean().item<double>());
+      info.report("overlong_penalty", pen.mean());
       r = r + o_.overlong_factor * pen;
     }
+    if (o_.advantage == advantage_kind::reinforce_pp) {
+      batch.advantages = reinforce_pp_advantage(batch, r);
+      return batch.advantages.select(1, 0);
+    }
+    // The outcome estimators (estimators.hpp): the run-time option picks the policy type.
     torch::Tensor per_sample;
     switch (o_.advantage) {
       case advantage_kind::group:
-        per_sample = group_advantage(r, G, {.scale_by_std = true, .unbiased_std = o_.unbiased_std, .eps = o_.adv_eps});
+        per_sample = estimate<Exec>(group_normalized{{.unbiased_std = o_.unbiased_std, .eps = o_.adv_eps}}, r, G);
         break;
-      case advantage_kind::dr_grpo:
-        per_sample = group_advantage(r, G, {.scale_by_std = false});
-        break;
-      case advantage_kind::rloo:
-        per_sample = rloo_advantage(r, G);
-        break;
-      case advantage_kind::reinforce_pp: {
-        batch.advantages = reinforce_pp_advantage(batch, r);
-        return batch.advantages.select(1, 0);
-      }
+      case advantage_kind::dr_grpo: per_sample = estimate<Exec>(dr_grpo{}, r, G); break;
+      case advantage_kind::rloo: per_sample = estimate<Exec>(rloo{}, r, G); break;
+      case advantage_kind::reinforce_pp: break;  // handled above
     }
     batch.advantages = per_sample.unsqueeze(1) * mask;
     return per_sample;
@@ -232,7 +200,7 @@ class grpo {
       run = tok.select(1, t) + o_.gamma * run * mask.select(1, t);
       ret.select(1, t).copy_(run);
     }
-    return masked_normalize(ret * mask, mask);
+    return masked_normalize<Exec>(ret * mask, mask);
   }
 
   template <CausalLM M>
@@ -240,47 +208,43 @@ class grpo {
     token_rollout mb = minibatch.trimmed();  // dynamic padding: only the minibatch's own width
     const auto mask = mb.completion_mask;
     torch::Tensor logp, ent;
-    std::tie(logp, ent) = models::update_logprob(models.policy, mb, o_.sampling.temperature, true, layout());
+    std::tie(logp, ent) = rollout::update_logprob<Exec>(models.policy, mb, o_.sampling.temperature, true, o_.layout);
     UNIRL_CHECK(mb.advantages.defined(), "grpo: the minibatch has no advantages; advantage() must run first");
     if (reuses_update_logp(info)) {
       // The step's only update is on-policy: pi_old is this very forward (what the recompute at
       // sampling would have produced), so the separate forward was skipped.
       torch::NoGradGuard ng;
-      info.report("sampler_logp_max_diff", ((logp.detach() - mb.old_logp) * mask).abs().max().item<double>());
+      info.report("sampler_logp_max_diff", ((logp.detach() - mb.old_logp) * mask).abs().max());
       mb.old_logp = logp.detach() * mask;
     }
-    const auto pl = o_.dppo_mask ? dppo_mask_loss(logp, mb.old_logp, mb.advantages, o_.dppo_delta)
-                                 : ppo_clip_loss(logp, mb.old_logp, mb.advantages, o_.clip_low, o_.clip_high,
-                                                 o_.dual_clip);
+    const auto pl = o_.dppo_mask ? dppo_mask_loss<Exec>(logp, mb.old_logp, mb.advantages, o_.dppo_delta)
+                                 : ppo_clip_loss<Exec>(logp, mb.old_logp, mb.advantages, o_.clip_low, o_.clip_high,
+                                                       o_.dual_clip);
     const auto L = o_.max_len > 0 ? o_.max_len : o_.sampling.max_new_tokens;
-    auto agg = [&](const torch::Tensor& x) { return aggregate(x, mask, o_.agg, L); };
+    auto agg = [&](const torch::Tensor& x) { return aggregate<Exec>(x, mask, o_.agg, L); };
     const torch::Tensor policy = agg(pl.loss);
     torch::Tensor total = policy;
-    loss_terms out;
-    out.policy = policy.item<double>();
+    loss_terms out;  // figures stay detached tensors: the trainer reads them once per step
+    out.policy = policy;
     if (mb.ref_logp.defined() && o_.kl_coef > 0.0) {
-      const torch::Tensor kl = agg(kl_penalty(logp, mb.ref_logp, o_.kl));
+      const torch::Tensor kl = agg(kl_penalty<Exec>(logp, mb.ref_logp, o_.kl));
       if (o_.advantage != advantage_kind::reinforce_pp) total = total + o_.kl_coef * kl;  // R++: KL is in the reward
-      out.kl = kl.item<double>();
+      out.kl = kl;
     }
     const torch::Tensor entropy = agg(ent);
     if (o_.ent_coef != 0.0) total = total - o_.ent_coef * entropy;
-    out.entropy = entropy.item<double>();
+    out.entropy = entropy;
     out.total = total;
     torch::NoGradGuard ng;
-    out.ratio_mean = masked_mean(pl.ratio.detach(), mask).item<double>();
-    out.clip_fraction = masked_mean(pl.clipped, mask).item<double>();
+    out.ratio_mean = masked_mean<Exec>(pl.ratio.detach(), mask);
+    out.clip_fraction = masked_mean<Exec>(pl.clipped, mask);
     const auto lr = logp.detach() - mb.old_logp;
-    out.extra["approx_kl"] = masked_mean(lr.exp() - 1.0 - lr, mask).item<double>();
-    out.extra["response_length"] = mask.sum(1).mean().item<double>();
+    out.extra["approx_kl"] = masked_mean<Exec>(lr.exp() - 1.0 - lr, mask);
+    out.extra["response_length"] = mask.sum(1).mean();
     return out;
   }
 
  private:
-  models::update_layout layout() const {
-    if (o_.pack_sequences) return models::update_layout::packed;
-    return o_.share_prompt ? models::update_layout::shared_prompt : models::update_layout::padded;
-  }
   // pi_old comes from the update's own forward: the step takes one update and the advantage does
   // not read pi_old (REINFORCE++ with a KL does).
   bool reuses_update_logp(const step_info& info) const {
@@ -299,9 +263,9 @@ class grpo {
     std::vector<token_rollout> kept;
     auto absorb = [&](const token_rollout& b, const std::vector<std::int64_t>& prompt_of_group) {
       const auto r = filter_(b).to(torch::kCPU, torch::kFloat).reshape({-1, G});
-      const auto varied = (r.amax(1) != r.amin(1));
+      const auto varied = to_host(r.amax(1) != r.amin(1));  // one read per candidate batch
       for (std::int64_t g = 0; g < r.size(0); ++g) {
-        if (!varied[g].item<bool>()) continue;
+        if (varied[static_cast<std::size_t>(g)] == 0.0) continue;
         const auto idx = torch::arange(g * G, (g + 1) * G, torch::kInt64);
         auto part = b.select(idx.to(b.completion_ids.device()));
         part.prompt_index.fill_(prompt_of_group[static_cast<std::size_t>(g)]);
@@ -323,7 +287,8 @@ class grpo {
         if (!input.references.empty()) again.references.push_back(input.references[static_cast<std::size_t>(i)]);
       }
       if (which.empty()) break;
-      absorb(sample_for_update(models, again, info, o_.sampling, recomputes_at_sampling(info), layout()), which);
+      absorb(sample_for_update<Exec>(models, again, info, o_.sampling, recomputes_at_sampling(info), o_.layout),
+             which);
     }
     info.report("dynamic_sampling/kept_groups", static_cast<double>(kept.size()));
     if (kept.empty()) return batch;  // nothing informative: train on the batch as drawn (A = 0)

@@ -1,7 +1,7 @@
 #pragma once
 /// \file kl.hpp
 /// Per-element KL estimators between the policy and the reference (verl `kl_penalty`,
-/// ALGORITHMS.md §2), with `l = logp - logp_ref`:
+/// docs/algorithms/grpo.md), with `l = logp - logp_ref`:
 /// `k1 = l`, `k2 = l^2 / 2`, `k3 = exp(-l) - 1 + l` (l clamped to [-20, 20], k3 to at most 10).
 ///
 /// ```cpp
@@ -14,6 +14,7 @@
 
 #include <unirl/core/error.hpp>
 #include <unirl/core/options.hpp>
+#include <unirl/exec/policy.hpp>
 
 namespace unirl::algo {
 
@@ -21,22 +22,21 @@ namespace unirl::algo {
 enum class kl_estimator { k1, k2, k3 };
 
 /// Per-element KL estimate from log-probabilities under the policy and the reference.
-/// The reference log-probabilities are constants.
-inline torch::Tensor kl_penalty(const torch::Tensor& logp, const torch::Tensor& logp_ref, kl_estimator estimator) {
+/// The reference log-probabilities are constants. Reference implementation only (every policy).
+template <ExecutionPolicy Exec = exec::automatic>
+torch::Tensor kl_penalty(const torch::Tensor& logp, const torch::Tensor& logp_ref, kl_estimator estimator) {
   UNIRL_CHECK(logp.defined() && logp_ref.defined(), "kl_penalty: logp and logp_ref must be defined");
   UNIRL_CHECK(logp.sizes() == logp_ref.sizes(), "kl_penalty: logp sizes ", logp.sizes(),
               " differ from logp_ref sizes ", logp_ref.sizes());
-  const auto l = logp - logp_ref.detach().to(logp.scalar_type());
-  switch (estimator) {
-    case kl_estimator::k1: return l;
-    case kl_estimator::k2: return 0.5 * l.square();
-    case kl_estimator::k3: {
-      const auto lc = torch::clamp(l, -20.0, 20.0);
-      return torch::clamp(torch::exp(-lc) - 1.0 + lc, /*min=*/c10::nullopt, /*max=*/10.0);
-    }
-  }
-  UNIRL_CHECK(false, "kl_penalty: unknown estimator ", static_cast<int>(estimator));
-  return {};
+  UNIRL_CHECK(estimator == kl_estimator::k1 || estimator == kl_estimator::k2 || estimator == kl_estimator::k3,
+              "kl_penalty: unknown estimator ", static_cast<int>(estimator));
+  return exec::dispatch<Exec>(logp, [&] {
+    const auto l = logp - logp_ref.detach().to(logp.scalar_type());
+    if (estimator == kl_estimator::k1) return l;
+    if (estimator == kl_estimator::k2) return 0.5 * l.square();
+    const auto lc = torch::clamp(l, -20.0, 20.0);
+    return torch::clamp(torch::exp(-lc) - 1.0 + lc, /*min=*/c10::nullopt, /*max=*/10.0);
+  });
 }
 
 }  // namespace unirl::algo

@@ -1,6 +1,7 @@
 #pragma once
 /// \file policy_loss.hpp
-/// Per-element policy and value losses shared by every track (ALGORITHMS.md §2): the PPO clipped
+/// Per-element policy and value losses shared by every track (docs/algorithms/ppo.md,
+/// docs/algorithms/grpo.md): the PPO clipped
 /// surrogate with optional dual clip, the DPPO token mask, and the clipped value loss. They
 /// return one loss per element; `loss_agg.hpp` reduces them.
 ///
@@ -11,6 +12,7 @@
 #include <torch/torch.h>
 
 #include <unirl/core/error.hpp>
+#include <unirl/exec/policy.hpp>
 
 namespace unirl::algo {
 
@@ -32,7 +34,9 @@ inline void check_same_shape(const torch::Tensor& a, const torch::Tensor& b, con
 /// PPO clipped surrogate per element: `max(-A rho, -A clip(rho, 1 - eps_low, 1 + eps_high))`,
 /// `rho = exp(logp - old_logp)`. With `dual_clip = c > 1` (verl), for `A < 0` the loss is further
 /// capped at `-A c`; `dual_clip = 0` turns it off. `old_logp` and `adv` are treated as constants.
-inline clip_loss_result ppo_clip_loss(const torch::Tensor& logp, const torch::Tensor& old_logp,
+/// Reference implementation only (every policy), as the other losses of this file.
+template <ExecutionPolicy Exec = exec::automatic>
+clip_loss_result ppo_clip_loss(const torch::Tensor& logp, const torch::Tensor& old_logp,
                                       const torch::Tensor& adv, double eps_low, double eps_high,
                                       double dual_clip = 0.0) {
   detail::check_same_shape(logp, old_logp, "ppo_clip_loss", "logp", "old_logp");
@@ -41,50 +45,58 @@ inline clip_loss_result ppo_clip_loss(const torch::Tensor& logp, const torch::Te
   UNIRL_CHECK(eps_high >= 0.0, "ppo_clip_loss: eps_high = ", eps_high, ": expected >= 0");
   UNIRL_CHECK(dual_clip == 0.0 || dual_clip > 1.0, "ppo_clip_loss: dual_clip = ", dual_clip,
               ": expected 0 (off) or > 1");
-  const auto a = adv.detach().to(logp.scalar_type());
-  const auto ratio = torch::exp(logp - old_logp.detach().to(logp.scalar_type()));
-  const auto unclipped = -a * ratio;
-  const auto clipped_term = -a * torch::clamp(ratio, 1.0 - eps_low, 1.0 + eps_high);
-  auto loss = torch::max(unclipped, clipped_term);
-  auto clipped = clipped_term > unclipped;
-  if (dual_clip > 0.0) {
-    const auto cap = -a * dual_clip;
-    const auto capped = (a < 0) & (loss > cap);
-    loss = torch::where(capped, cap, loss);
-    clipped = clipped | capped;
-  }
-  return {loss, clipped, ratio};
+  return exec::dispatch<Exec>(logp, [&] {
+    const auto a = adv.detach().to(logp.scalar_type());
+    const auto ratio = torch::exp(logp - old_logp.detach().to(logp.scalar_type()));
+    const auto unclipped = -a * ratio;
+    const auto clipped_term = -a * torch::clamp(ratio, 1.0 - eps_low, 1.0 + eps_high);
+    auto loss = torch::max(unclipped, clipped_term);
+    auto clipped = clipped_term > unclipped;
+    if (dual_clip > 0.0) {
+      const auto cap = -a * dual_clip;
+      const auto capped = (a < 0) & (loss > cap);
+      loss = torch::where(capped, cap, loss);
+      clipped = clipped | capped;
+    }
+    return clip_loss_result{loss, clipped, ratio};
+  });
 }
 
 /// DPPO token mask (UniRL `dppo.py`): no clip; a token keeps its gradient when
 /// `A (rho - 1) <= 0` (the update moves it back toward pi_old) or `|p_new - p_old| <= delta`
 /// (probabilities, not log-probabilities). Loss per element `-A rho keep`; `clipped` = not kept.
-inline clip_loss_result dppo_mask_loss(const torch::Tensor& logp, const torch::Tensor& old_logp,
+template <ExecutionPolicy Exec = exec::automatic>
+clip_loss_result dppo_mask_loss(const torch::Tensor& logp, const torch::Tensor& old_logp,
                                        const torch::Tensor& adv, double delta = 0.15) {
   detail::check_same_shape(logp, old_logp, "dppo_mask_loss", "logp", "old_logp");
   detail::check_same_shape(logp, adv, "dppo_mask_loss", "logp", "advantages");
   UNIRL_CHECK(delta >= 0.0, "dppo_mask_loss: delta = ", delta, ": expected >= 0");
-  const auto a = adv.detach().to(logp.scalar_type());
-  const auto old = old_logp.detach().to(logp.scalar_type());
-  const auto ratio = torch::exp(logp - old);
-  const auto lp = logp.detach();
-  const auto keep = (a * (ratio.detach() - 1.0) <= 0) | ((lp.exp() - old.exp()).abs() <= delta);
-  const auto loss = -a * ratio * keep.to(logp.scalar_type());
-  return {loss, keep.logical_not(), ratio};
+  return exec::dispatch<Exec>(logp, [&] {
+    const auto a = adv.detach().to(logp.scalar_type());
+    const auto old = old_logp.detach().to(logp.scalar_type());
+    const auto ratio = torch::exp(logp - old);
+    const auto lp = logp.detach();
+    const auto keep = (a * (ratio.detach() - 1.0) <= 0) | ((lp.exp() - old.exp()).abs() <= delta);
+    const auto loss = -a * ratio * keep.to(logp.scalar_type());
+    return clip_loss_result{loss, keep.logical_not(), ratio};
+  });
 }
 
 /// Value loss per element: `0.5 max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2)`;
 /// `clip <= 0` gives the unclipped `0.5 (V - R)^2`. `v_old` and `returns` are constants.
-inline torch::Tensor value_loss(const torch::Tensor& v, const torch::Tensor& v_old, const torch::Tensor& returns,
-                                double clip) {
+template <ExecutionPolicy Exec = exec::automatic>
+torch::Tensor value_loss(const torch::Tensor& v, const torch::Tensor& v_old, const torch::Tensor& returns,
+                         double clip) {
   detail::check_same_shape(v, returns, "value_loss", "values", "returns");
-  const auto r = returns.detach().to(v.scalar_type());
-  const auto unclipped = (v - r).square();
-  if (clip <= 0.0) return 0.5 * unclipped;
-  detail::check_same_shape(v, v_old, "value_loss", "values", "old values");
-  const auto vo = v_old.detach().to(v.scalar_type());
-  const auto v_clipped = vo + torch::clamp(v - vo, -clip, clip);
-  return 0.5 * torch::max(unclipped, (v_clipped - r).square());
+  if (clip > 0.0) detail::check_same_shape(v, v_old, "value_loss", "values", "old values");
+  return exec::dispatch<Exec>(v, [&] {
+    const auto r = returns.detach().to(v.scalar_type());
+    const auto unclipped = (v - r).square();
+    if (clip <= 0.0) return 0.5 * unclipped;
+    const auto vo = v_old.detach().to(v.scalar_type());
+    const auto v_clipped = vo + torch::clamp(v - vo, -clip, clip);
+    return 0.5 * torch::max(unclipped, (v_clipped - r).square());
+  });
 }
 
 }  // namespace unirl::algo

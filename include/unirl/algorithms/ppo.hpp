@@ -1,23 +1,33 @@
 #pragma once
 /// \file ppo.hpp
-/// PPO, one algorithm for every track (ALGORITHMS.md §1–2): the loss — clipped surrogate with
+/// PPO, one algorithm for every track (docs/algorithms/ppo.md): the loss — clipped surrogate with
 /// optional dual clip, clipped value loss, entropy bonus, KL to the reference in the loss or in
 /// the reward — is written once here; each track says how to sample, how to compute advantages
-/// over its layout and how to evaluate a minibatch by specialising `ppo_track<Track>`.
+/// over its layout and how to evaluate a minibatch, and which options it has of its own, by
+/// specialising `ppo_track<Track>` in its own header. This header names no track.
+///
+/// `ppo<Exec>` is a family (see `Algorithm`): the trainer builds `ppo<Exec, M::track>`, whose
+/// options are the shared ones plus the track's under `track`. Using `ppo<>` with a track whose
+/// `ppo_track` specialisation is not visible fails to compile, naming the header to include.
 ///
 /// ```cpp
-/// // A track opts in (e.g. in its own header):
+/// // A track opts in (in its own header):
 /// template <> struct unirl::algo::ppo_track<my_track> {
-///   template <class M, class Input>
-///   static rollout_t<M> sample(const ppo_options&, model_set<M>&, Input&, const step_info&);
-///   template <class M>
-///   static torch::Tensor advantage(const ppo_options&, model_set<M>&, rollout_t<M>&,
-///                                  const torch::Tensor& rewards, const step_info&);
-///   template <class M>
-///   static ppo_eval evaluate(const ppo_options&, model_set<M>&, const rollout_t<M>&, const step_info&);
+///   struct options { std::int64_t horizon = 64; };      // reflectable (BOOST_HANA_ADAPT_STRUCT)
+///   using settings = unirl::algo::basic_ppo_options<options>;
+///   template <unirl::ExecutionPolicy Exec, class M, class Input>
+///   static unirl::rollout_t<M> sample(const settings&, unirl::model_set<M>&, Input&, const unirl::step_info&);
+///   template <unirl::ExecutionPolicy Exec, class M>
+///   static torch::Tensor advantage(const settings&, unirl::model_set<M>&, unirl::rollout_t<M>&,
+///                                  const torch::Tensor& rewards, const unirl::step_info&);
+///   template <unirl::ExecutionPolicy Exec, class M>
+///   static unirl::algo::ppo_eval evaluate(const settings&, unirl::model_set<M>&, const unirl::rollout_t<M>&,
+///                                         const unirl::step_info&);
 /// };
-/// unirl::trainer<my_model, unirl::algo::ppo<>, my_reward> t{model, reward, {.algorithm = {.clip_low = 0.2}}};
+/// unirl::trainer<my_model, unirl::algo::ppo<>, my_reward> t{model, reward,
+///     {.algorithm = {.clip_low = 0.2, .track = {.horizon = 128}}}};
 /// ```
+#include <concepts>
 #include <cstdint>
 #include <map>
 #include <string>
@@ -31,17 +41,20 @@
 #include <unirl/algorithms/loss_agg.hpp>
 #include <unirl/algorithms/policy_loss.hpp>
 #include <unirl/concepts/algorithm.hpp>
+#include <unirl/concepts/execution.hpp>
 #include <unirl/concepts/model.hpp>
+#include <unirl/config.hpp>
 #include <unirl/core/context.hpp>
 #include <unirl/core/options.hpp>
 #include <unirl/core/stats.hpp>
 #include <unirl/exec/policy.hpp>
-#include <unirl/rollout/sampling.hpp>
 
 namespace unirl::algo {
 
-/// Options of `ppo` (all tracks). Token-track defaults follow verl; env-track ones CleanRL.
-struct ppo_options {
+/// Options of `ppo` for a track whose own options are `TrackOptions` (`ppo_track<Track>::options`,
+/// nested under `track`). Token-track defaults follow verl; env-track ones CleanRL.
+template <class TrackOptions>
+struct basic_ppo_options {
   double clip_low = 0.2;          // ratio clipped to [1 - clip_low, 1 + clip_high]
   double clip_high = 0.2;
   double dual_clip = 0.0;         // 0 = off; c > 1 caps the loss of A < 0 terms at -A c (verl uses 3)
@@ -55,10 +68,8 @@ struct ppo_options {
   double lambda = 0.95;
   bool norm_adv = true;           // whiten advantages over each minibatch's valid elements
   loss_agg agg = loss_agg::token_mean;
-  std::int64_t max_len = 0;       // L_max for seq_mean_token_sum_norm; 0 = sampling.max_new_tokens
-  std::int64_t rollout_steps = 128;  // env track: steps per environment per rollout
-  sampling_options sampling{};    // token track: how completions are drawn
-  bool pack_sequences = false;    // token track: update forward packed into one row, no padding
+  std::int64_t max_len = 0;       // L_max for seq_mean_token_sum_norm; 0 = the track's (token: max_new_tokens)
+  TrackOptions track{};           // the track's own options (ppo_track<Track>::options)
 
   void validate(const std::string& prefix) const {
     options::require(clip_low >= 0.0 && clip_low < 1.0, prefix + "clip_low", clip_low, "in [0, 1)");
@@ -69,15 +80,37 @@ struct ppo_options {
     options::require(gamma >= 0.0 && gamma <= 1.0, prefix + "gamma", gamma, "in [0, 1]");
     options::require(lambda >= 0.0 && lambda <= 1.0, prefix + "lambda", lambda, "in [0, 1]");
     options::require(max_len >= 0, prefix + "max_len", max_len, ">= 0");
-    options::require(rollout_steps >= 1, prefix + "rollout_steps", rollout_steps, ">= 1");
   }
 };
 
+/// The track options of the shared part alone (what `ppo_loss` reads needs no track).
+struct ppo_no_track_options {};
+
+/// The options every track shares, without a track's own: what `ppo_loss` reads.
+using ppo_options = basic_ppo_options<ppo_no_track_options>;
+
 }  // namespace unirl::algo
 
-BOOST_HANA_ADAPT_STRUCT(unirl::algo::ppo_options, clip_low, clip_high, dual_clip, value_clip, vf_coef, ent_coef,
-                        kl_coef, kl, kl_in_reward, gamma, lambda, norm_adv, agg, max_len, rollout_steps, sampling,
-                        pack_sequences);
+// basic_ppo_options is a template, so BOOST_HANA_ADAPT_STRUCT cannot adapt it: this is the table
+// the macro would generate (tests/static checks that it lists every member).
+namespace boost::hana {
+template <class T>
+struct accessors_impl<unirl::algo::basic_ppo_options<T>> {
+#define UNIRL_MEMBER(name) \
+  make_pair(BOOST_HANA_STRING(#name), [](auto&& s) -> decltype(auto) { return (static_cast<decltype(s)&&>(s).name); })
+  static constexpr auto apply() {
+    return make_tuple(UNIRL_MEMBER(clip_low), UNIRL_MEMBER(clip_high), UNIRL_MEMBER(dual_clip),
+                      UNIRL_MEMBER(value_clip), UNIRL_MEMBER(vf_coef), UNIRL_MEMBER(ent_coef), UNIRL_MEMBER(kl_coef),
+                      UNIRL_MEMBER(kl), UNIRL_MEMBER(kl_in_reward), UNIRL_MEMBER(gamma), UNIRL_MEMBER(lambda),
+                      UNIRL_MEMBER(norm_adv), UNIRL_MEMBER(agg), UNIRL_MEMBER(max_len), UNIRL_MEMBER(track));
+  }
+#undef UNIRL_MEMBER
+};
+template <>
+struct accessors_impl<unirl::algo::ppo_no_track_options> {
+  static constexpr auto apply() { return make_tuple(); }
+};
+}  // namespace boost::hana
 
 namespace unirl::algo {
 
@@ -93,85 +126,92 @@ struct ppo_eval {
   torch::Tensor returns;     // GAE returns
   torch::Tensor entropy;     // per-element policy entropy, differentiable; undefined = no bonus
   torch::Tensor ref_logp{};  // log pi_ref(a); undefined when no reference model is used
-  std::map<std::string, double> extra{};  // track-specific figures for the statistics
+  std::int64_t max_len = 0;  // the track's L_max for seq_mean_token_sum_norm when options.max_len = 0
+  std::map<std::string, scalar_stat> extra{};  // track-specific figures for the statistics
 };
 
-/// Customisation point: a track's sample / advantage / evaluate for `ppo` (see the file comment).
-/// The primary template is left undefined: `ppo::supports_track<T>` is true exactly when a
-/// specialisation for `T` is visible.
+/// Customisation point: a track's options and stages for `ppo` (see the file comment). The
+/// primary template fails to compile: `ppo` trains exactly the tracks whose specialisation is
+/// visible, and asking about any other is an error that says which header to include.
 template <class Track>
-struct ppo_track;
+struct ppo_track {
+  static_assert(unirl::detail::dependent_false<Track>,
+                "unirl::algo::ppo: no ppo_track<Track> specialisation is visible for this model's track. Include "
+                "the track's PPO header — <unirl/algorithms/ppo_token.hpp> (token_track), "
+                "<unirl/algorithms/ppo_env.hpp> (env_track), or the umbrella <unirl/token.hpp> / <unirl/env.hpp> — "
+                "before naming unirl::algo::ppo<> with it; PPO does not train the flow track; a track of your "
+                "own specialises unirl::algo::ppo_track<Track> (see algorithms/ppo.hpp)");
+  using options = ppo_no_track_options;
+};
 
-namespace detail {
-template <class T, class = void>
-struct is_complete : std::false_type {};
-template <class T>
-struct is_complete<T, std::void_t<decltype(sizeof(T))>> : std::true_type {};
-}  // namespace detail
-
-/// The PPO loss over one evaluated minibatch — the part every track shares.
+/// The PPO loss over one evaluated minibatch — the part every track shares. The figures are
+/// detached tensors (no host synchronisation).
 /// ```cpp
 /// unirl::loss_terms t = unirl::algo::ppo_loss(opts, ev);   // t.total is differentiable
 /// ```
-inline loss_terms ppo_loss(const ppo_options& o, const ppo_eval& ev) {
+template <ExecutionPolicy Exec = exec::automatic, class TrackOptions>
+loss_terms ppo_loss(const basic_ppo_options<TrackOptions>& o, const ppo_eval& ev) {
   UNIRL_CHECK(ev.logp.defined() && ev.old_logp.defined() && ev.advantages.defined(),
               "ppo: evaluate() must fill logp, old_logp and advantages");
   const auto mask = ev.mask.defined() ? ev.mask.to(ev.logp.scalar_type()) : torch::ones_like(ev.logp);
-  const std::int64_t max_len =
-      o.max_len > 0 ? o.max_len : (o.agg == loss_agg::seq_mean_token_sum_norm ? o.sampling.max_new_tokens : 0);
-  auto agg = [&](const torch::Tensor& x) { return aggregate(x, mask, o.agg, max_len); };
+  const std::int64_t max_len = o.max_len > 0 ? o.max_len : (o.agg == loss_agg::seq_mean_token_sum_norm ? ev.max_len : 0);
+  auto agg = [&](const torch::Tensor& x) { return aggregate<Exec>(x, mask, o.agg, max_len); };
 
   auto adv = ev.advantages.detach().to(ev.logp.scalar_type());
-  if (o.norm_adv) adv = masked_normalize(adv, mask);
-  const auto pl = ppo_clip_loss(ev.logp, ev.old_logp, adv, o.clip_low, o.clip_high, o.dual_clip);
+  if (o.norm_adv) adv = masked_normalize<Exec>(adv, mask);
+  const auto pl = ppo_clip_loss<Exec>(ev.logp, ev.old_logp, adv, o.clip_low, o.clip_high, o.dual_clip);
   const auto policy = agg(pl.loss);
   auto total = policy;
 
   loss_terms out;
-  out.policy = policy.item<double>();
+  out.policy = policy;
   if (ev.values.defined()) {
     UNIRL_CHECK(ev.returns.defined(), "ppo: evaluate() returned values but no returns");
-    const auto vl = agg(value_loss(ev.values, ev.old_values.defined() ? ev.old_values : ev.values.detach(),
-                                   ev.returns, o.value_clip));
+    const auto vl = agg(value_loss<Exec>(ev.values, ev.old_values.defined() ? ev.old_values : ev.values.detach(),
+                                         ev.returns, o.value_clip));
     total = total + o.vf_coef * vl;
-    out.value = vl.item<double>();
+    out.value = vl;
   }
   if (ev.entropy.defined()) {
     const auto ent = agg(ev.entropy);
     if (o.ent_coef != 0.0) total = total - o.ent_coef * ent;
-    out.entropy = ent.item<double>();
+    out.entropy = ent;
   }
   if (ev.ref_logp.defined()) {
-    const auto kl = agg(kl_penalty(ev.logp, ev.ref_logp, o.kl));
+    const auto kl = agg(kl_penalty<Exec>(ev.logp, ev.ref_logp, o.kl));
     if (!o.kl_in_reward && o.kl_coef > 0.0) total = total + o.kl_coef * kl;
-    out.kl = kl.item<double>();
+    out.kl = kl;
   }
   out.total = total;
   {
     torch::NoGradGuard ng;
     const auto log_ratio = ev.logp.detach() - ev.old_logp.detach().to(ev.logp.scalar_type());
-    out.ratio_mean = masked_mean(pl.ratio.detach(), mask).item<double>();
-    out.clip_fraction = masked_mean(pl.clipped, mask).item<double>();
-    out.extra["approx_kl"] = masked_mean(log_ratio.exp() - 1.0 - log_ratio, mask).item<double>();
+    out.ratio_mean = masked_mean<Exec>(pl.ratio.detach(), mask);
+    out.clip_fraction = masked_mean<Exec>(pl.clipped, mask);
+    out.extra["approx_kl"] = masked_mean<Exec>(log_ratio.exp() - 1.0 - log_ratio, mask);
   }
   for (const auto& [k, v] : ev.extra) out.extra[k] = v;
   return out;
 }
 
-/// Proximal policy optimisation (Schulman et al. 2017) for any track with a `ppo_track`.
-/// `Exec` chooses the kernels of the hot ops (`exec::automatic` by device).
-template <class Exec = exec::automatic>
+/// Proximal policy optimisation (Schulman et al. 2017) on `Track`, through `ppo_track<Track>`.
+/// `Exec` chooses the kernels of every op the loss and the track's stages call.
+/// `ppo<Exec>` (no track) is the family the trainer binds to its model's track.
+template <ExecutionPolicy Exec = exec::automatic, class Track = void>
 struct ppo {
-  using options = ppo_options;
+  using options = basic_ppo_options<typename ppo_track<Track>::options>;
   using exec_policy = Exec;
+  using track = Track;
+  template <class T>
+  using for_track = ppo<Exec, T>;
 
   static constexpr bool requires_reference = true;   // built only when uses_reference()
   static constexpr bool requires_critic = true;
   static constexpr bool requires_ema_rollout = false;
   static constexpr bool requires_group = false;
   static constexpr bool supports_multi_update = true;
-  template <class Track>
-  static constexpr bool supports_track = detail::is_complete<ppo_track<Track>>::value;
+  template <class T>
+  static constexpr bool supports_track = std::is_same_v<T, Track>;
 
   explicit ppo(const options& o = {}) : opts_(o) { unirl::options::validate(opts_); }
 
@@ -179,27 +219,43 @@ struct ppo {
   /// A reference model is needed only for a KL term.
   bool uses_reference() const { return opts_.kl_coef > 0.0; }
 
+  // Each stage is constrained by the track's own (`AlgorithmFor` and `SamplesFrom` see through).
   template <ModelAdapter M, class Input>
+    requires requires(const options& o, model_set<M>& ms, Input& in, const step_info& i) {
+      { ppo_track<Track>::template sample<Exec>(o, ms, in, i) } -> std::same_as<rollout_t<M>>;
+    }
   rollout_t<M> sample(model_set<M>& models, Input& input, const step_info& info) {
-    return ppo_track<typename M::track>::sample(opts_, models, input, info);
+    return ppo_track<Track>::template sample<Exec>(opts_, models, input, info);
   }
 
   template <ModelAdapter M>
+    requires requires(const options& o, model_set<M>& ms, rollout_t<M>& b, const torch::Tensor& r,
+                      const step_info& i) {
+      { ppo_track<Track>::template advantage<Exec>(o, ms, b, r, i) } -> std::same_as<torch::Tensor>;
+    }
   torch::Tensor advantage(model_set<M>& models, rollout_t<M>& batch, const torch::Tensor& rewards,
                           const step_info& info) {
-    return ppo_track<typename M::track>::advantage(opts_, models, batch, rewards, info);
+    return ppo_track<Track>::template advantage<Exec>(opts_, models, batch, rewards, info);
   }
 
   template <ModelAdapter M>
+    requires requires(const options& o, model_set<M>& ms, const rollout_t<M>& b, const step_info& i) {
+      { ppo_track<Track>::template evaluate<Exec>(o, ms, b, i) } -> std::same_as<ppo_eval>;
+    }
   loss_terms loss(model_set<M>& models, const rollout_t<M>& minibatch, const step_info& info) {
-    return ppo_loss(opts_, ppo_track<typename M::track>::evaluate(opts_, models, minibatch, info));
+    return ppo_loss<Exec>(opts_, ppo_track<Track>::template evaluate<Exec>(opts_, models, minibatch, info));
   }
 
  private:
   options opts_;
 };
 
-static_assert(Algorithm<ppo<>>);
+/// The family `ppo<Exec>`: not an `Algorithm` itself; the trainer builds `for_track<M::track>`.
+template <ExecutionPolicy Exec>
+struct ppo<Exec, void> {
+  using exec_policy = Exec;
+  template <class T>
+  using for_track = ppo<Exec, T>;
+};
 
 }  // namespace unirl::algo
-

@@ -3,26 +3,33 @@
 /// PPO on the token track: `ppo_track<token_track>` — completions from the KV-cache sampler, a
 /// token-level critic (`make_critic()` of the model), outcome reward on each completion's last
 /// token (minus `kl_coef` x KL per token when `kl_in_reward`), GAE along the completion.
-/// `pack_sequences` packs the update forward without padding (the policy, and the critic when it
-/// has `values_packed`); losses and gradients equal the padded path.
+/// Its own options (`ppo_token_options`, under `.algorithm.track`): `sampling`, and `layout` —
+/// `packed` packs the update forward without padding (the policy, and the critic when it has
+/// `values_packed`); losses and gradients equal the padded path.
 ///
 /// ```cpp
 /// #include <unirl/algorithms/ppo_token.hpp>
 /// unirl::trainer<unirl::models::gpt, unirl::algo::ppo<>, my_reward> t{model, reward,
-///     {.algorithm = {.ent_coef = 0.0, .gamma = 1.0, .lambda = 0.95, .sampling = {.max_new_tokens = 8}}}};
+///     {.algorithm = {.ent_coef = 0.0, .gamma = 1.0, .lambda = 0.95,
+///                    .track = {.sampling = {.max_new_tokens = 8}}}}};
 /// ```
 #include <cstdint>
 #include <tuple>
 
+#include <boost/hana.hpp>
 #include <torch/torch.h>
 
 #include <unirl/algorithms/advantage.hpp>
 #include <unirl/algorithms/kl.hpp>
 #include <unirl/algorithms/ppo.hpp>
 #include <unirl/algorithms/token_common.hpp>
+#include <unirl/concepts/causal_lm.hpp>
 #include <unirl/core/context.hpp>
-#include <unirl/models/causal_lm.hpp>
+#include <unirl/core/options.hpp>
+#include <unirl/rollout/sampling.hpp>
+#include <unirl/rollout/packing.hpp>
 #include <unirl/rollout/token.hpp>
+#include <unirl/rollout/token_logprob.hpp>
 
 namespace unirl::algo {
 
@@ -34,7 +41,7 @@ torch::Tensor completion_values(const Critic& critic, const token_rollout& b) {
   const auto ids = b.full_ids(), mask = b.full_mask();
   return critic.values(ids.slice(1, 0, P + T - 1), mask.slice(1, 0, P + T - 1)).slice(1, P - 1, P + T - 1);
 }
-// The same values through sequence packing when the critic supports it (`pack_sequences`), else padded.
+// The same values through sequence packing when the critic supports it (`layout = packed`), else padded.
 template <class Critic>
 torch::Tensor update_values(const Critic& critic, const token_rollout& b, bool pack) {
   if constexpr (PackedTokenCritic<Critic>) {
@@ -47,18 +54,30 @@ torch::Tensor update_values(const Critic& critic, const token_rollout& b, bool p
 }
 }  // namespace detail
 
+/// The token track's own options of `ppo`, under `.algorithm.track`.
+struct ppo_token_options {
+  sampling_options sampling{};                            // how completions are drawn
+  rollout::update_layout layout = rollout::update_layout::padded;  // update forward: padded, packed, shared_prompt
+};
+
+}  // namespace unirl::algo
+
+BOOST_HANA_ADAPT_STRUCT(unirl::algo::ppo_token_options, sampling, layout);
+
+namespace unirl::algo {
+
 /// PPO's token-track stages (see `ppo.hpp` for the shared loss).
 template <>
 struct ppo_track<token_track> {
-  static models::update_layout layout(const ppo_options& o) {
-    return o.pack_sequences ? models::update_layout::packed : models::update_layout::padded;
-  }
+  using options = ppo_token_options;
+  using settings = basic_ppo_options<options>;
 
-  template <CausalLM M>
-  static token_rollout sample(const ppo_options& o, model_set<M>& models, const prompt_batch& input,
+  template <ExecutionPolicy Exec, CausalLM M>
+  static token_rollout sample(const settings& o, model_set<M>& models, const prompt_batch& input,
                               const step_info& info) {
     static_assert(CriticFactory<M>, "ppo on the token track needs a model with make_critic() (a TokenCritic)");
-    token_rollout b = sample_for_update(models, input, info, o.sampling, /*recompute_old_logp=*/true, layout(o));
+    token_rollout b = sample_for_update<Exec>(models, input, info, o.track.sampling, /*recompute_old_logp=*/true,
+                                              o.track.layout);
     UNIRL_CHECK(models.critic.has_value(), "ppo: the trainer built no critic for this model");
     torch::NoGradGuard ng;
     b.values = detail::completion_values(*models.critic, b) * b.completion_mask;
@@ -68,47 +87,49 @@ struct ppo_track<token_track> {
   /// Token rewards (outcome on the last token, -kl_coef * KL per token when `kl_in_reward`), then
   /// GAE along each completion; fills `advantages` and `returns`. Returns per-sample advantages
   /// at the first token (B,).
-  template <CausalLM M>
-  static torch::Tensor advantage(const ppo_options& o, model_set<M>&, token_rollout& b, const torch::Tensor& rewards,
+  template <ExecutionPolicy Exec, CausalLM M>
+  static torch::Tensor advantage(const settings& o, model_set<M>&, token_rollout& b, const torch::Tensor& rewards,
                                  const step_info& info) {
     const auto mask = b.completion_mask;
     const auto B = mask.size(0);
     auto tok = torch::zeros_like(mask);
     if (o.kl_in_reward && o.kl_coef > 0.0 && b.ref_logp.defined()) {
-      const torch::Tensor kl = kl_penalty(b.old_logp, b.ref_logp, o.kl) * mask;
-      info.report("kl_reward", (kl.sum(1)).mean().item<double>());
+      const torch::Tensor kl = kl_penalty<Exec>(b.old_logp, b.ref_logp, o.kl) * mask;
+      info.report("kl_reward", (kl.sum(1)).mean());
       tok = tok - o.kl_coef * kl;
     }
     const auto last = (b.lengths() - 1).clamp_min(0);
     tok = tok.scatter_add(1, last.unsqueeze(1), rewards.to(tok.device(), tok.scalar_type()).unsqueeze(1));
     // Positions after a completion's end start "new episodes": no bootstrapping across them.
     auto dones = (1.0 - mask).t().contiguous();  // (T, B)
-    const auto g = gae(tok.t(), b.values.t(), dones, torch::zeros({B}, tok.options()), torch::ones({B}, tok.options()),
-                       o.gamma, o.lambda);
+    const auto g = gae<Exec>(tok.t(), b.values.t(), dones, torch::zeros({B}, tok.options()),
+                             torch::ones({B}, tok.options()), o.gamma, o.lambda);
     b.advantages = g.advantages.t().contiguous() * mask;
     b.returns = g.returns.t().contiguous() * mask;
     return b.advantages.select(1, 0);
   }
 
-  template <CausalLM M>
-  static ppo_eval evaluate(const ppo_options& o, model_set<M>& models, const token_rollout& minibatch,
+  template <ExecutionPolicy Exec, CausalLM M>
+  static ppo_eval evaluate(const settings& o, model_set<M>& models, const token_rollout& minibatch,
                            const step_info&) {
     const token_rollout mb = minibatch.trimmed();  // dynamic padding
     UNIRL_CHECK(mb.advantages.defined() && mb.returns.defined(), "ppo: the minibatch has no advantages/returns");
     ppo_eval ev;
     std::tie(ev.logp, ev.entropy) =
-        models::update_logprob(models.policy, mb, o.sampling.temperature, true, layout(o));
+        rollout::update_logprob<Exec>(models.policy, mb, o.track.sampling.temperature, true, o.track.layout);
     ev.old_logp = mb.old_logp;
     ev.advantages = mb.advantages;
     ev.mask = mb.completion_mask;
-    ev.values = detail::update_values(*models.critic, mb, o.pack_sequences);
+    ev.values = detail::update_values(*models.critic, mb, o.track.layout == rollout::update_layout::packed);
     ev.old_values = mb.values;
     ev.returns = mb.returns;
     ev.ref_logp = mb.ref_logp;
+    ev.max_len = o.track.sampling.max_new_tokens;
     return ev;
   }
 };
 
-static_assert(ppo<>::supports_track<token_track>);
+static_assert(Algorithm<ppo<>::for_track<token_track>>);
+static_assert(ppo<>::for_track<token_track>::supports_track<token_track>);
 
 }  // namespace unirl::algo

@@ -1,6 +1,6 @@
 #pragma once
 /// \file ram.hpp
-/// RAM — Reinforce Adjoint Matching (arXiv 2605.10759, ALGORITHMS.md §4). Endpoints x0 are drawn
+/// RAM — Reinforce Adjoint Matching (arXiv 2605.10759, docs/flow.md). Endpoints x0 are drawn
 /// from the EMA policy, rewards become group advantages A, then a plain regression on freshly
 /// noised `x_t = (1-t) x0 + t eps` (`draws` pairs (t, eps) per endpoint, `p(t) ∝ t`):
 /// `target = v_ref(x_t, t) + m A ((eps - x0) - v_old(x_t, t))`, `L = mean (v_theta - sg(target))^2`,
@@ -28,10 +28,10 @@
 
 #include <unirl/algorithms/flow_common.hpp>
 #include <unirl/concepts/algorithm.hpp>
+#include <unirl/concepts/flow.hpp>
 #include <unirl/core/context.hpp>
 #include <unirl/core/options.hpp>
 #include <unirl/core/stats.hpp>
-#include <unirl/models/flow.hpp>
 #include <unirl/rollout/flow.hpp>
 #include <unirl/rollout/flow_samplers.hpp>
 
@@ -121,10 +121,10 @@ class ram : public flow::algorithm_base<ram_options, Sampler, true> {
     } else {
       out.total = (pred - target.detach()).pow(2).mean();
     }
-    out.policy = out.total.item<double>();
+    out.policy = out.total.detach();
     {
       torch::NoGradGuard ng;
-      out.extra["ram/fm_mse"] = (pred.detach() - plain).pow(2).mean().item<double>();
+      out.extra["ram/fm_mse"] = (pred.detach() - plain).pow(2).mean();
     }
     return out;
   }

@@ -1,9 +1,17 @@
 #pragma once
 /// \file reward.hpp
-/// Rewards: a scorer maps a rollout batch to one float per sample.
+/// Rewards: a scorer maps a rollout batch to one float per sample. Scorers are generic over the
+/// batch and constrained only by the fields they read (`HasCompletions`, `HasImages`, ...).
+///
+/// ```cpp
+/// template <unirl::HasCompletions B> torch::Tensor operator()(const B& b) const;   // in a scorer
+/// static_assert(unirl::ScorerFor<my_scorer, unirl::token_rollout>);
+/// ```
+/// The scorer concepts are also reachable as `unirl::rewards::ScorerFor` etc. (their former home).
 #include <concepts>
 #include <map>
 #include <string>
+#include <vector>
 
 #include <torch/torch.h>
 
@@ -25,5 +33,49 @@ template <class R>
 concept ReportsComponents = requires(const R& r) {
   { r.last_components() } -> std::convertible_to<std::map<std::string, double>>;
 };
+
+/// A scorer for batches of type `Batch`: the reward concept `RewardFor` (`torch::Tensor
+/// operator()(const Batch&)` giving a (B,) float tensor), spelled for the parts of a composite.
+///
+/// Minimal complete definition: `torch::Tensor operator()(const Batch&)`. Optional: a name,
+/// either `static constexpr std::string_view name` or `std::string name() const`, used for the
+/// per-component statistics of a composer.
+template <class S, class Batch>
+concept ScorerFor = RewardFor<S, Batch>;
+
+/// A batch carrying generated text: `std::vector<std::string> completions`, one per sample.
+template <class B>
+concept HasCompletions = requires(const B& b) {
+  { b.completions } -> std::convertible_to<const std::vector<std::string>&>;
+};
+
+/// A batch carrying per-sample ground truth text: `std::vector<std::string> references`.
+template <class B>
+concept HasReferences = requires(const B& b) {
+  { b.references } -> std::convertible_to<const std::vector<std::string>&>;
+};
+
+/// A batch carrying the prompt text of each sample: `std::vector<std::string> prompts`.
+template <class B>
+concept HasPrompts = requires(const B& b) {
+  { b.prompts } -> std::convertible_to<const std::vector<std::string>&>;
+};
+
+/// A batch carrying generated images (or any final samples), (B, ...): a `torch::Tensor images`
+/// member or a `torch::Tensor samples() const` method (the flow track's `flow_rollout`).
+template <class B>
+concept HasImages = requires(const B& b) {
+  { b.images } -> std::convertible_to<const torch::Tensor&>;
+} || requires(const B& b) {
+  { b.samples() } -> std::convertible_to<torch::Tensor>;
+};
+
+namespace rewards {
+using unirl::HasCompletions;
+using unirl::HasImages;
+using unirl::HasPrompts;
+using unirl::HasReferences;
+using unirl::ScorerFor;
+}  // namespace rewards
 
 }  // namespace unirl

@@ -6,28 +6,34 @@
 #include <optional>
 #include <string>
 #include <type_traits>
+#include <utility>
 
 #include <torch/torch.h>
 
-#include <unirl/concepts/model.hpp>
+#include <unirl/core/host.hpp>
 
 namespace unirl {
 
+// core/ sits below concepts/: what follows names no concept, so that the concepts (which
+// speak of `model_set`, `step_info`) can include it and nothing here includes them back.
 namespace detail {
-template <class M, bool = CriticFactory<M>>
+template <class M>
 struct critic_of { using type = void*; };
 template <class M>
-struct critic_of<M, true> { using type = std::remove_cvref_t<decltype(std::declval<const M&>().make_critic())>; };
+  requires requires(const M& m) { m.make_critic(); }
+struct critic_of<M> { using type = std::remove_cvref_t<decltype(std::declval<const M&>().make_critic())>; };
 }  // namespace detail
 
-/// The critic type `M::make_critic()` builds (or `void*` when `M` builds none).
+/// The critic type `M::make_critic()` builds (or `void*` when `M` builds none; see
+/// `CriticFactory` in concepts/model.hpp).
 template <class M>
 using critic_t = typename detail::critic_of<M>::type;
 
-/// The models a trainer holds. Only what the algorithm declared is built: `reference` when it
-/// `requires_reference` and uses it with the current options, `critic` when it
-/// `requires_critic` and the model is a `CriticFactory`, `ema` when it `requires_ema_rollout`.
-template <ModelAdapter M>
+/// The models a trainer holds, for a `ModelAdapter` `M` (concepts/model.hpp). Only what the
+/// algorithm declared is built: `reference` when it `requires_reference` and uses it with the
+/// current options, `critic` when it `requires_critic` and the model is a `CriticFactory`, `ema`
+/// when it `requires_ema_rollout`.
+template <class M>
 struct model_set {
   M policy;
   std::optional<M> reference{};
@@ -43,10 +49,17 @@ struct step_info {
   std::map<std::string, double>* extra = nullptr;  // algorithm figures for the step statistics
   std::int64_t updates = 0;              // optimizer updates this step takes on its batch (0 = unknown);
                                          // 1: the update is on-policy (pi_old = pi_theta)
+  std::map<std::string, torch::Tensor>* pending = nullptr;  // tensor figures the trainer reads at the step's end
 
-  /// Reports a figure in this step's statistics (averaged when reported per minibatch).
+  /// Reports a figure in this step's statistics (the last report of a key wins).
   void report(const std::string& key, double value) const {
     if (extra) (*extra)[key] = value;
+  }
+  /// Reports a scalar tensor figure without reading it: the trainer reads it with the step's other
+  /// statistics (one host synchronisation per step). Without a trainer it is read at once.
+  void report(const std::string& key, const torch::Tensor& value) const {
+    if (pending) (*pending)[key] = value.detach().reshape({});
+    else if (extra) (*extra)[key] = to_host(value).at(0);
   }
 };
 

@@ -19,6 +19,7 @@
 /// point, `std::string`, enums with `unirl::enum_names`, `std::vector` of those, or reflectable
 /// options types themselves. Optionally `void validate(const std::string& prefix) const`, which
 /// throws `unirl::config_error` naming `prefix + "member"` for an out-of-range value.
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <concepts>
@@ -30,6 +31,7 @@
 #include <string>
 #include <string_view>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include <boost/hana.hpp>
@@ -59,9 +61,44 @@ std::string_view enum_to_string(E e) {
 
 namespace options {
 
-/// True for types adapted with Boost.Hana (nested options structs).
+/// True for types adapted with Boost.Hana (nested options structs). The concept spelled on it,
+/// `unirl::Reflectable` (also `unirl::options::Reflectable`), is in concepts/options.hpp: core/
+/// sits below concepts/ and names none.
 template <class T>
-concept Reflectable = boost::hana::Struct<T>::value;
+inline constexpr bool is_reflectable = boost::hana::Struct<T>::value;
+
+namespace detail {
+// Converts to any member type, by reference so that no constructor of the member competes:
+// `T{any_member{}, ...}` with N of them is valid exactly when the aggregate T has >= N members.
+struct any_member {
+  template <class M>
+  operator M&() const;  // NOLINT: declared only, used in unevaluated contexts
+};
+template <std::size_t>
+using any_member_t = any_member;
+template <class T, std::size_t... I>
+constexpr bool initializable_with(std::index_sequence<I...>) {
+  return requires { T{any_member_t<I>{}...}; };
+}
+template <class T, std::size_t N = 0>
+constexpr std::size_t count_members() {
+  if constexpr (N < 128 && initializable_with<T>(std::make_index_sequence<N + 1>{})) return count_members<T, N + 1>();
+  else return N;
+}
+}  // namespace detail
+
+/// Number of members of the aggregate `T`, counted by aggregate initialisation (no reflection).
+template <class T>
+  requires std::is_aggregate_v<T>
+inline constexpr std::size_t member_count = detail::count_members<T>();
+
+/// True when the reflection of the aggregate `T` (its `BOOST_HANA_ADAPT_STRUCT` or hand-written
+/// accessor table) lists as many members as `T` has: a member added to the struct but not to its
+/// list makes it false. tests/static asserts it for every options type of the library.
+template <class T>
+  requires is_reflectable<T> && std::is_aggregate_v<T>
+inline constexpr bool reflects_every_member =
+    member_count<T> == decltype(boost::hana::length(boost::hana::accessors<T>()))::value;
 
 namespace detail {
 template <class T>
@@ -72,7 +109,7 @@ struct is_vector<std::vector<T, A>> : std::true_type {};
 template <class T>
 struct is_struct_list : std::false_type {};
 template <class T, class A>
-struct is_struct_list<std::vector<T, A>> : std::bool_constant<Reflectable<T>> {};
+struct is_struct_list<std::vector<T, A>> : std::bool_constant<is_reflectable<T>> {};
 
 inline std::string join(const std::string& prefix, const char* name) {
   return prefix.empty() ? std::string(name) : prefix + "." + name;
@@ -105,7 +142,7 @@ void parse_text(T& out, const std::string& key, const std::string& text) {
   auto bad = [&](const std::string& why) {
     throw config_error(key, "cannot read '" + text + "' as " + type_name<T>() + why);
   };
-  if constexpr (Reflectable<T> || is_struct_list<T>::value) {
+  if constexpr (is_reflectable<T> || is_struct_list<T>::value) {
     nlohmann::json j;
     try { j = nlohmann::json::parse(text); } catch (const std::exception&) { bad(" (expected JSON)"); }
     from_json_value(out, j, key);
@@ -162,7 +199,7 @@ nlohmann::json to_json_value(const T& v);
 template <class T>
 std::string value_text(const T& v) {
   if constexpr (std::is_same_v<T, bool>) return v ? "true" : "false";
-  else if constexpr (Reflectable<T>) return to_json_value(v).dump();
+  else if constexpr (is_reflectable<T>) return to_json_value(v).dump();
   else if constexpr (std::is_enum_v<T>) return std::string(enum_to_string(v));
   else if constexpr (std::is_same_v<T, std::string>) return "\"" + v + "\"";
   else if constexpr (is_vector<T>::value) {
@@ -179,7 +216,51 @@ std::string value_text(const T& v) {
 template <class T>
 void from_json_value(T& out, const nlohmann::json& j, const std::string& key);
 
-template <Reflectable T>
+// Levenshtein distance between two keys.
+inline std::size_t edit_distance(std::string_view a, std::string_view b) {
+  std::vector<std::size_t> row(b.size() + 1);
+  for (std::size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (std::size_t i = 1; i <= a.size(); ++i) {
+    std::size_t diag = row[0];
+    row[0] = i;
+    for (std::size_t j = 1; j <= b.size(); ++j) {
+      const std::size_t up = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diag = up;
+    }
+  }
+  return row[b.size()];
+}
+
+// "; did you mean K?" for the known key K nearest to `key` (the first of equals), when it is near
+// enough: at most a third of the length of the key's last component (and at least 1) edits away
+// — a typo, not another word; "" otherwise.
+inline std::string suggestion(const std::string& key, const std::vector<std::string>& known) {
+  const std::string* best = nullptr;
+  std::size_t best_d = 0;
+  for (const auto& k : known) {
+    const auto d = edit_distance(key, k);
+    if (!best || d < best_d) best = &k, best_d = d;
+  }
+  const auto dot = key.rfind('.');
+  const std::size_t last = dot == std::string::npos ? key.size() : key.size() - dot - 1;
+  if (!best || best_d == 0 || best_d > std::max<std::size_t>(1, last / 3)) return "";
+  return "; did you mean " + *best + "?";
+}
+
+// Every dotted key of `T` (leaves and groups), prefixed with `prefix`.
+template <class T>
+void collect_keys(std::vector<std::string>& out, const std::string& prefix) {
+  boost::hana::for_each(boost::hana::accessors<T>(), [&](auto pair) {
+    const std::string key = join(prefix, boost::hana::to<const char*>(boost::hana::first(pair)));
+    out.push_back(key);
+    using M = std::remove_cvref_t<decltype(boost::hana::second(pair)(std::declval<T&>()))>;
+    if constexpr (is_reflectable<M>) collect_keys<M>(out, key);
+  });
+}
+
+template <class T>
+  requires is_reflectable<T>
 void from_json_object(T& out, const nlohmann::json& j, const std::string& prefix) {
   if (!j.is_object())
     throw config_error(prefix.empty() ? "<root>" : prefix, "expected an object, got " + j.dump());
@@ -191,7 +272,14 @@ void from_json_object(T& out, const nlohmann::json& j, const std::string& prefix
       found = true;
       from_json_value(boost::hana::second(pair)(out), it.value(), join(prefix, name));
     });
-    if (!found) throw config_error(join(prefix, it.key().c_str()), "unknown key");
+    if (!found) {
+      std::vector<std::string> known;
+      boost::hana::for_each(boost::hana::accessors<T>(), [&](auto pair) {
+        known.push_back(join(prefix, boost::hana::to<const char*>(boost::hana::first(pair))));
+      });
+      const std::string key = join(prefix, it.key().c_str());
+      throw config_error(key, "unknown key" + suggestion(key, known));
+    }
   }
 }
 
@@ -200,7 +288,7 @@ void from_json_value(T& out, const nlohmann::json& j, const std::string& key) {
   auto wrong = [&] {
     throw config_error(key, std::string("expected ") + type_name<T>() + ", got " + j.dump());
   };
-  if constexpr (Reflectable<T>) {
+  if constexpr (is_reflectable<T>) {
     from_json_object(out, j, key);
   } else if constexpr (std::is_same_v<T, bool>) {
     if (!j.is_boolean()) wrong();
@@ -232,7 +320,7 @@ void from_json_value(T& out, const nlohmann::json& j, const std::string& key) {
 
 template <class T>
 nlohmann::json to_json_value(const T& v) {
-  if constexpr (Reflectable<T>) {
+  if constexpr (is_reflectable<T>) {
     nlohmann::json j = nlohmann::json::object();
     boost::hana::for_each(boost::hana::accessors<T>(), [&](auto pair) {
       j[boost::hana::to<const char*>(boost::hana::first(pair))] =
@@ -256,7 +344,7 @@ void print_into(std::ostream& os, const T& v, const std::string& prefix) {
     const char* name = boost::hana::to<const char*>(boost::hana::first(pair));
     const auto& member = boost::hana::second(pair)(v);
     using M = std::remove_cvref_t<decltype(member)>;
-    if constexpr (Reflectable<M>) print_into(os, member, join(prefix, name));
+    if constexpr (is_reflectable<M>) print_into(os, member, join(prefix, name));
     else os << join(prefix, name) << " = " << value_text(member) << "\n";
   });
 }
@@ -271,7 +359,7 @@ bool set_path(T& obj, std::string_view path, const std::string& full_key, const 
     if (done || head != name) return;
     auto& member = boost::hana::second(pair)(obj);
     using M = std::remove_cvref_t<decltype(member)>;
-    if constexpr (Reflectable<M>) {
+    if constexpr (is_reflectable<M>) {
       if (dot == std::string_view::npos)
         throw config_error(full_key, "is a group of options; set one of its members, e.g. '" +
                                          full_key + ".<name>=...'");
@@ -291,7 +379,7 @@ void validate_into(const T& v, const std::string& prefix) {
     const char* name = boost::hana::to<const char*>(boost::hana::first(pair));
     const auto& member = boost::hana::second(pair)(v);
     using M = std::remove_cvref_t<decltype(member)>;
-    if constexpr (Reflectable<M>) validate_into(member, join(prefix, name));
+    if constexpr (is_reflectable<M>) validate_into(member, join(prefix, name));
   });
   if constexpr (requires(const std::string& p) { v.validate(p); })
     v.validate(prefix.empty() ? std::string{} : prefix + ".");
@@ -299,7 +387,8 @@ void validate_into(const T& v, const std::string& prefix) {
 }  // namespace detail
 
 /// `key = value` lines, one per leaf option, nested keys dotted.
-template <Reflectable T>
+template <class T>
+  requires is_reflectable<T>
 std::string to_string(const T& opts) {
   std::ostringstream os;
   detail::print_into(os, opts, "");
@@ -307,25 +396,34 @@ std::string to_string(const T& opts) {
 }
 
 /// The options as a JSON object (enums as their names).
-template <Reflectable T>
+template <class T>
+  requires is_reflectable<T>
 nlohmann::json to_json(const T& opts) { return detail::to_json_value(opts); }
 
 /// Overwrites the members present in `j`; an unknown key or a wrong type throws `config_error`.
-template <Reflectable T>
+template <class T>
+  requires is_reflectable<T>
 void from_json(T& opts, const nlohmann::json& j) { detail::from_json_object(opts, j, ""); }
 
 /// Sets one option by its dotted key from text: `set(o, "algorithm.clip_high", "0.28")`.
-template <Reflectable T>
+template <class T>
+  requires is_reflectable<T>
 void set(T& opts, const std::string& key, const std::string& value) {
-  if (!detail::set_path(opts, key, key, value)) throw config_error(key, "unknown key");
+  if (!detail::set_path(opts, key, key, value)) {
+    std::vector<std::string> known;
+    detail::collect_keys<T>(known, "");
+    throw config_error(key, "unknown key" + detail::suggestion(key, known));
+  }
 }
 
 /// Runs every `validate(prefix)` member of the options tree; throws `config_error` on a bad value.
-template <Reflectable T>
+template <class T>
+  requires is_reflectable<T>
 void validate(const T& opts) { detail::validate_into(opts, ""); }
 
 /// Applies `key=value` arguments in order, then validates. Arguments without '=' are rejected.
-template <Reflectable T>
+template <class T>
+  requires is_reflectable<T>
 void apply_overrides(T& opts, const std::vector<std::string>& args) {
   for (const auto& a : args) {
     const auto eq = a.find('=');
@@ -365,9 +463,9 @@ inline nlohmann::json yaml_to_json(const YAML::Node& n) {
 }  // namespace detail
 #endif
 
-/// Loads a recipe: `.json`, or `.yaml` / `.yml` when unirl was built with yaml-cpp; validates.
-template <Reflectable T>
-void load_recipe(T& opts, const std::string& path) {
+/// Reads a recipe file as JSON: `.json`, or `.yaml` / `.yml` when unirl was built with yaml-cpp.
+/// A missing or malformed file is a `config_error` naming it.
+inline nlohmann::json read_recipe(const std::string& path) {
   std::ifstream in(path);
   if (!in) throw config_error("<recipe>", "cannot open recipe file '" + path + "'");
   const bool yaml = path.ends_with(".yaml") || path.ends_with(".yml");
@@ -389,28 +487,17 @@ void load_recipe(T& opts, const std::string& path) {
       throw config_error("<recipe>", "'" + path + "' is not valid JSON: " + e.what());
     }
   }
-  from_json(opts, j);
-  validate(opts);
+  return j;
 }
 
-/// Reads `--recipe FILE` (or `--recipe=FILE`) and `key=value` arguments from a command line;
-/// other arguments starting with "--" are returned for the caller to interpret.
-template <Reflectable T>
-std::vector<std::string> parse_command_line(T& opts, int argc, const char* const* argv) {
-  std::vector<std::string> overrides, rest;
-  for (int i = 1; i < argc; ++i) {
-    std::string a = argv[i];
-    if (a == "--recipe" && i + 1 < argc) load_recipe(opts, argv[++i]);
-    else if (a.starts_with("--recipe=")) load_recipe(opts, a.substr(9));
-    else if (a.starts_with("--")) {
-      rest.push_back(a);
-      if (a.find('=') == std::string::npos && i + 1 < argc && std::string(argv[i + 1]).find('=') == std::string::npos &&
-          !std::string(argv[i + 1]).starts_with("--"))
-        rest.push_back(argv[++i]);
-    } else overrides.push_back(a);
-  }
-  apply_overrides(opts, overrides);
-  return rest;
+/// Loads a recipe (see `read_recipe`) into `opts` and validates.
+template <class T>
+  requires is_reflectable<T>
+void load_recipe(T& opts, const std::string& path) {
+  // Qualified: nlohmann-json >= 3.11 declares its own from_json(BasicJsonType, T&), which ADL
+  // finds through the json argument and makes an unqualified call ambiguous.
+  ::unirl::options::from_json(opts, read_recipe(path));
+  validate(opts);
 }
 
 /// Parses `text` as a `T` (as an option value would be); a bad value is a `config_error` naming `key`.
@@ -421,38 +508,6 @@ T parse_value(const std::string& key, const std::string& text) {
   return v;
 }
 
-/// Reads a program's command line: `--recipe FILE`, `key=value` overrides (then validated), and
-/// the program's own flags, declared with their defaults: `--name VALUE` or `--name=VALUE`; a
-/// flag whose default is "false" is a switch (`--name` alone sets it to "true"). Returns every
-/// declared flag's value. An undeclared flag, or one missing its value, is a `config_error`.
-/// ```cpp
-/// auto flags = unirl::options::parse_command_line(opts, argc, argv, {{"out", "runs/x"}, {"help", "false"}});
-/// std::filesystem::create_directories(flags["out"]);
-/// ```
-template <Reflectable T>
-std::map<std::string, std::string> parse_command_line(T& opts, int argc, const char* const* argv,
-                                                      std::map<std::string, std::string> flags) {
-  const auto rest = parse_command_line(opts, argc, argv);
-  auto known = [&] {
-    std::string k;
-    for (const auto& [name, def] : flags) k += "--" + name + (def == "false" ? "" : " VALUE") + ", ";
-    return k + "--recipe FILE or key=value";
-  };
-  for (std::size_t i = 0; i < rest.size(); ++i) {
-    const std::string& a = rest[i];
-    if (!a.starts_with("--")) throw config_error(a, "unexpected argument; expected " + known());
-    const auto eq = a.find('=');
-    const std::string name = a.substr(2, eq == std::string::npos ? std::string::npos : eq - 2);
-    const auto it = flags.find(name);
-    if (it == flags.end()) throw config_error("--" + name, "unknown flag; expected " + known());
-    if (eq != std::string::npos) it->second = a.substr(eq + 1);
-    else if (it->second == "false") it->second = "true";
-    else if (i + 1 < rest.size() && !rest[i + 1].starts_with("--")) it->second = rest[++i];
-    else throw config_error("--" + name, "flag without a value");
-  }
-  return flags;
-}
-
 /// Throws `config_error(key, ...)` naming the value unless `ok`.
 template <class V>
 void require(bool ok, const std::string& key, const V& value, std::string_view expected) {
@@ -461,3 +516,7 @@ void require(bool ok, const std::string& key, const V& value, std::string_view e
 
 }  // namespace options
 }  // namespace unirl
+
+// The command-line reader moved to its own header; included here for one release so that code
+// written against this header keeps compiling.
+#include <unirl/core/command_line.hpp>

@@ -9,18 +9,49 @@
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
+#include <unirl/core/host.hpp>
+
 namespace unirl {
 
-/// The parts of one minibatch's loss. `total` carries the graph; the rest are detached figures.
+/// A figure of a minibatch's loss, kept as a detached scalar tensor where it was computed so that
+/// the trainer reads all of a step's figures at once (one host synchronisation per step). It
+/// converts to `double` for the reader who wants one now (that conversion reads it, through
+/// `unirl::to_host`); a plain number is stored as is.
+/// ```cpp
+/// unirl::scalar_stat s = policy_loss.detach();   // no read
+/// double v = s;                                  // one read
+/// ```
+struct scalar_stat {
+  torch::Tensor value{};  // () detached; undefined: the number `fallback`
+  double fallback = 0.0;
+
+  scalar_stat() = default;
+  scalar_stat(double v) : fallback(v) {}                                       // NOLINT: implicit by design
+  scalar_stat(const torch::Tensor& t) : value(t.defined() ? t.detach().reshape({}) : t) {}  // NOLINT
+  /// Reads the value (one host synchronisation when it is a tensor).
+  operator double() const {  // NOLINT: implicit by design
+    if (!value.defined()) return fallback;
+    const auto v = to_host(value);
+    return v.empty() ? fallback : v.front();
+  }
+  /// The value as a () float64 tensor on `device`, without reading it.
+  torch::Tensor tensor(torch::Device device) const {
+    return value.defined() ? value.to(device, torch::kFloat64)
+                           : torch::full({}, fallback, torch::TensorOptions(torch::kFloat64).device(device));
+  }
+};
+
+/// The parts of one minibatch's loss. `total` carries the graph; the rest are detached figures
+/// (`scalar_stat`: tensors the trainer reads once per step).
 struct loss_terms {
-  torch::Tensor total;        // () float, differentiable
-  double policy = 0.0;        // policy-gradient part
-  double value = 0.0;         // critic part (PPO)
-  double kl = 0.0;            // KL to the reference (as a loss term or as measured)
-  double entropy = 0.0;       // mean entropy of the policy
-  double ratio_mean = 1.0;    // mean importance ratio pi/pi_old
-  double clip_fraction = 0.0; // share of (token | step) terms whose ratio was clipped / masked
-  std::map<std::string, double> extra{};  // algorithm-specific figures, reported as-is
+  torch::Tensor total;             // () float, differentiable
+  scalar_stat policy{};            // policy-gradient part
+  scalar_stat value{};             // critic part (PPO)
+  scalar_stat kl{};                // KL to the reference (as a loss term or as measured)
+  scalar_stat entropy{};           // mean entropy of the policy
+  scalar_stat ratio_mean{1.0};     // mean importance ratio pi/pi_old
+  scalar_stat clip_fraction{};     // share of (token | step) terms whose ratio was clipped / masked
+  std::map<std::string, scalar_stat> extra{};  // algorithm-specific figures, reported as-is
 };
 
 /// Statistics of one training step: the loop's five stages, the loss parts, and the guard.

@@ -1,10 +1,20 @@
 #pragma once
 /// \file policy.hpp
-/// The execution policies: `exec::automatic` (default), `exec::reference`, `exec::cpu`, `exec::cuda`.
+/// The execution policies — `exec::automatic` (default), `exec::reference`, `exec::cpu`,
+/// `exec::cuda` — and `exec::dispatch`, the one place where an op's implementation is chosen.
 ///
 /// ```cpp
-/// auto a = unirl::ops::group_advantage<unirl::exec::reference>(rewards, 8);  // test oracle
+/// auto [logp, ent] = unirl::ops::token_logprob<unirl::exec::reference>(logits, targets);  // test oracle
+/// auto a = unirl::algo::group_advantage<unirl::exec::reference>(rewards, 8);
+/// using algo = unirl::algo::grpo<unirl::exec::reference>;   // every op of a GRPO step on the reference
 /// ```
+/// An algorithm takes the policy as a template argument and passes it to every op it calls
+/// (token log-prob, losses, advantages). The model's own forward (`ops::attention` inside
+/// `models::gpt`) keeps `exec::automatic`: a model is not parameterised by the algorithm's policy.
+#include <functional>
+#include <type_traits>
+#include <utility>
+
 #include <torch/torch.h>
 
 #include <unirl/concepts/execution.hpp>
@@ -23,7 +33,9 @@ struct cpu {
 struct cuda {
   static backend select(const torch::Tensor&) { return backend::cuda; }
 };
-/// Picks by the tensor's device: CUDA kernels for CUDA tensors, fused CPU loops otherwise.
+/// Picks by the tensor's device: CUDA kernels for CUDA tensors, fused CPU loops otherwise. An op
+/// may keep its reference where it measured faster for the size at hand (attention on long
+/// sequences); an explicit `exec::cpu` / `exec::cuda` always takes the op's own implementation.
 struct automatic {
   static backend select(const torch::Tensor& t) { return t.is_cuda() ? backend::cuda : backend::cpu; }
 };
@@ -32,5 +44,31 @@ static_assert(ExecutionPolicy<reference>);
 static_assert(ExecutionPolicy<cpu>);
 static_assert(ExecutionPolicy<cuda>);
 static_assert(ExecutionPolicy<automatic>);
+
+/// True for `exec::automatic`, the policy that may weigh sizes (an explicit policy is obeyed).
+template <ExecutionPolicy Exec>
+inline constexpr bool decides_by_size = std::is_same_v<Exec, automatic>;
+
+/// Placeholder of `dispatch` for an implementation an op does not have.
+struct none_t {};
+inline constexpr none_t none{};
+
+/// Runs the implementation of an op that `Exec` selects for its main input `t`: `cpu_impl()` when
+/// the policy selects `backend::cpu` and `t` is on the CPU, `cuda_impl()` when it selects
+/// `backend::cuda` and `t` is a CUDA tensor, `reference_impl()` otherwise — and whenever the op has
+/// no such implementation (`exec::none`). Every implementation returns the same type.
+/// ```cpp
+/// return unirl::exec::dispatch<Exec>(logits, [&] { return ref(logits); }, [&] { return fused(logits); });
+/// ```
+template <ExecutionPolicy Exec, class Ref, class Cpu = none_t, class Cuda = none_t>
+std::invoke_result_t<Ref&> dispatch(const torch::Tensor& t, Ref&& reference_impl, Cpu&& cpu_impl = {},
+                                    Cuda&& cuda_impl = {}) {
+  const backend b = Exec::select(t);
+  if constexpr (!std::is_same_v<std::remove_cvref_t<Cpu>, none_t>)
+    if (b == backend::cpu && t.device().is_cpu()) return cpu_impl();
+  if constexpr (!std::is_same_v<std::remove_cvref_t<Cuda>, none_t>)
+    if (b == backend::cuda && t.is_cuda()) return cuda_impl();
+  return reference_impl();
+}
 
 }  // namespace unirl::exec

@@ -4,7 +4,7 @@
 /// DDPM adapter (noise prediction `eps(x_t, t, cond)` with `q_sample` and the float64 beta
 /// schedule) and a video adapter over (B, F, C, H, W). All three apply classifier-free guidance.
 ///
-/// Conventions (ALGORITHMS.md §3): t = 0 is data, t = 1 noise, `x_t = (1-t) x0 + t eps`,
+/// Conventions (docs/flow.md): t = 0 is data, t = 1 noise, `x_t = (1-t) x0 + t eps`,
 /// target velocity `eps - x0`.
 ///
 /// ```cpp
@@ -27,7 +27,9 @@
 #include <boost/hana.hpp>
 #include <torch/torch.h>
 
+#include <unirl/concepts/flow.hpp>
 #include <unirl/concepts/model.hpp>
+#include <unirl/concepts/track.hpp>
 #include <unirl/core/error.hpp>
 #include <unirl/core/options.hpp>
 #include <unirl/models/module_adapter.hpp>
@@ -35,33 +37,7 @@
 
 namespace unirl::models {
 
-/// A model that predicts the flow-matching velocity.
-///
-/// Minimal complete definition: `torch::Tensor velocity(x, t, cond)` (x: (B, S...), t: (B,)
-/// float in [0, 1]) and `std::vector<std::int64_t> sample_shape() const`.
-template <class M>
-concept VelocityModel = requires(M& m, const M& cm, const torch::Tensor& x) {
-  { m.velocity(x, x, x) } -> std::same_as<torch::Tensor>;
-  { cm.sample_shape() } -> std::convertible_to<std::vector<std::int64_t>>;
-};
-
-/// A DDPM model that predicts the noise.
-///
-/// Minimal complete definition: `torch::Tensor epsilon(x, t, cond)` (t: (B,) timestep indices
-/// 0..T-1), `torch::Tensor alphas_cumprod() const` ((T,) float64), `sample_shape()`.
-template <class M>
-concept NoiseModel = requires(M& m, const M& cm, const torch::Tensor& x) {
-  { m.epsilon(x, x, x) } -> std::same_as<torch::Tensor>;
-  { cm.alphas_cumprod() } -> std::same_as<torch::Tensor>;
-  { cm.sample_shape() } -> std::convertible_to<std::vector<std::int64_t>>;
-};
-
-/// A network usable by the adapters (see the file comment).
-template <class Net>
-concept ConditionalNet = requires(Net& n, const torch::Tensor& x) {
-  { n->forward(x, x, x) } -> std::same_as<torch::Tensor>;
-  { n->null_condition(x) } -> std::same_as<torch::Tensor>;
-};
+// VelocityModel, NoiseModel and ConditionalNet: concepts/flow.hpp.
 
 /// Options shared by the flow and DDPM adapters.
 struct flow_model_options {
@@ -72,7 +48,7 @@ struct flow_model_options {
   }
 };
 
-/// The DDPM beta schedule (ALGORITHMS.md §3): linear betas, abar in float64.
+/// The DDPM beta schedule (docs/flow.md): linear betas, abar in float64.
 struct ddpm_schedule {
   std::int64_t num_train_timesteps = 1000;
   double beta_start = 1e-4;

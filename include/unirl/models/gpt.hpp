@@ -20,6 +20,7 @@
 #include <torch/torch.h>
 
 #include <unirl/core/error.hpp>
+#include <unirl/core/host.hpp>
 #include <unirl/core/options.hpp>
 #include <unirl/models/causal_lm.hpp>
 #include <unirl/models/module_adapter.hpp>
@@ -149,14 +150,32 @@ class gpt_net_impl : public torch::nn::Cloneable<gpt_net_impl> {
 
   const gpt_options& config() const { return o_; }
 
+  // Positions must index the position table [0, max_len). Inside a `deferred_checks` scope (the
+  // trainer's step) the check waits for the step's next read and the positions are clamped
+  // meanwhile; outside one it reads them at once (one host synchronisation) and throws.
+  torch::Tensor checked_positions(const torch::Tensor& positions, bool packed) const {
+    if (positions.numel() == 0) return positions;
+    const auto range = torch::stack({positions.min(), positions.max()});
+    const auto max_len = o_.max_len;
+    auto message = [max_len, packed](const std::vector<double>&) {
+      return packed ? ::unirl::detail::concat("gpt: packed positions must lie in [0, max_len = ", max_len, ")")
+                    : ::unirl::detail::concat("gpt: a sequence has more than max_len = ", max_len, " tokens");
+    };
+    if (auto* deferred = deferred_checks::current()) {
+      deferred->add((range.select(0, 0) >= 0) & (range.select(0, 1) < max_len), {}, message);
+      return positions.clamp(0, max_len - 1);
+    }
+    const auto r = to_host(range);
+    if (!(r.at(0) >= 0 && r.at(1) < static_cast<double>(max_len))) throw ::unirl::error("unirl: " + message(r));
+    return positions;
+  }
+
   /// Full forward: ids (B, L), mask (B, L) -> (B, L, out) outputs.
   torch::Tensor forward(const torch::Tensor& ids, const torch::Tensor& mask) {
     check_inputs(ids, mask);
     const auto L = ids.size(1);
     const auto m = mask.to(torch::kFloat);
-    const auto positions = (m.cumsum(1) - 1.0).clamp_min(0.0).to(torch::kInt64);
-    UNIRL_CHECK(L == 0 || positions.max().item<std::int64_t>() < o_.max_len, "gpt: a sequence has more than max_len = ",
-                o_.max_len, " tokens");
+    const auto positions = checked_positions((m.cumsum(1) - 1.0).clamp_min(0.0).to(torch::kInt64), false);
     const auto bias = attention_bias(m.to(torch::kBool), 0, L, ids.device());
     auto x = tok(ids) + pos(positions);
     for (const auto& b : *blocks) x = b->as<gpt_block_impl>()->forward(x, bias, nullptr, nullptr, 0);
@@ -173,9 +192,7 @@ class gpt_net_impl : public torch::nn::Cloneable<gpt_net_impl> {
     UNIRL_CHECK(positions.sizes() == ids.sizes() && segments.sizes() == ids.sizes(), "gpt: packed positions sizes ",
                 positions.sizes(), " and segments sizes ", segments.sizes(), " must equal ids sizes ", ids.sizes());
     const auto N = ids.size(1);
-    const auto pos_ids = positions.to(torch::kInt64);
-    UNIRL_CHECK(N == 0 || (pos_ids.min().item<std::int64_t>() >= 0 && pos_ids.max().item<std::int64_t>() < o_.max_len),
-                "gpt: packed positions must lie in [0, max_len = ", o_.max_len, ")");
+    const auto pos_ids = checked_positions(positions.to(torch::kInt64), true);
     const auto dev = ids.device();
     const auto idx = torch::arange(N, torch::TensorOptions(torch::kInt64).device(dev));
     const auto causal = (idx.unsqueeze(0) <= idx.unsqueeze(1)).unsqueeze(0);  // (1, N, N): key <= query
@@ -215,9 +232,9 @@ class gpt_net_impl : public torch::nn::Cloneable<gpt_net_impl> {
     UNIRL_CHECK(start + n <= c.capacity, "gpt: the KV cache holds ", c.capacity, " tokens; ", start + n, " needed");
     const auto m = mask.to(torch::kFloat);
     c.mask.slice(1, start, start + n).copy_(m);
-    const auto positions = (c.count.unsqueeze(1).to(torch::kFloat) + m.cumsum(1) - 1.0).clamp_min(0.0).to(torch::kInt64);
-    UNIRL_CHECK(positions.max().item<std::int64_t>() < o_.max_len, "gpt: a sequence has more than max_len = ",
-                o_.max_len, " tokens");
+    const auto positions =
+        checked_positions((c.count.unsqueeze(1).to(torch::kFloat) + m.cumsum(1) - 1.0).clamp_min(0.0).to(torch::kInt64),
+                          false);
     c.count += m.sum(1).to(torch::kInt64);
     const auto bias = attention_bias(c.mask.slice(1, 0, start + n).to(torch::kBool), start, n, ids.device());
     auto x = tok(ids) + pos(positions);

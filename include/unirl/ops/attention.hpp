@@ -187,14 +187,17 @@ template <ExecutionPolicy Exec = exec::automatic>
 torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                         const torch::Tensor& bias, double scale) {
   detail::check_attention_args(q, k, v, bias);
-  const bool cpu_kernel = Exec::select(q) == backend::cpu && q.device().is_cpu() &&
-                          (q.scalar_type() == torch::kFloat || q.scalar_type() == torch::kDouble) &&
-                          k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type() &&
-                          (!bias.defined() || !bias.requires_grad());
-  const bool small = q.size(2) == 1 || q.size(2) * k.size(2) * q.size(3) <= fused_attention_max_work;
-  if (cpu_kernel && (small || !std::is_same_v<Exec, exec::automatic>))
+  auto reference = [&] { return detail::attention_reference(q, k, v, bias, scale); };
+  return exec::dispatch<Exec>(q, reference, [&] {
+    // The fused loops take float / double without a mask gradient; `automatic` keeps the
+    // reference where BLAS measured faster (long sequences), an explicit `exec::cpu` does not.
+    const bool supported = (q.scalar_type() == torch::kFloat || q.scalar_type() == torch::kDouble) &&
+                           k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type() &&
+                           (!bias.defined() || !bias.requires_grad());
+    const bool small = q.size(2) == 1 || q.size(2) * k.size(2) * q.size(3) <= fused_attention_max_work;
+    if (!supported || (exec::decides_by_size<Exec> && !small)) return reference();
     return detail::fused_attention::apply(q, k, v, bias.defined() ? bias : torch::empty({0}, q.options()), scale)[0];
-  return detail::attention_reference(q, k, v, bias, scale);
+  });
 }
 
 }  // namespace unirl::ops

@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstdint>
 #include <tuple>
+#include <vector>
 
 #include <ATen/Parallel.h>
 #include <torch/torch.h>
@@ -23,6 +24,7 @@
 #include <unirl/concepts/execution.hpp>
 #include <unirl/config.hpp>
 #include <unirl/core/error.hpp>
+#include <unirl/core/host.hpp>
 #include <unirl/exec/policy.hpp>
 
 #if defined(UNIRL_WITH_CUDA_KERNELS)
@@ -42,10 +44,24 @@ struct logprob_result {
 
 namespace detail {
 
-inline void check_vocabulary(const torch::Tensor& targets, std::int64_t v, const char* who) {
-  if (targets.numel() == 0) return;
-  const auto lo = targets.min().item<std::int64_t>(), hi = targets.max().item<std::int64_t>();
-  UNIRL_CHECK(lo >= 0 && hi < v, who, ": targets range over [", lo, ", ", hi, "], outside the vocabulary [0, ", v, ")");
+// Checks that every target indexes the vocabulary [0, v). Inside a `deferred_checks` scope (the
+// trainer's step) the check is recorded there and read with the step's next read, and the
+// returned targets are clamped into the vocabulary so that nothing reads out of bounds meanwhile;
+// outside one it reads the range at once (one host synchronisation) and throws.
+inline torch::Tensor check_vocabulary(const torch::Tensor& targets, std::int64_t v, const char* who) {
+  if (targets.numel() == 0) return targets;
+  const auto range = torch::stack({targets.min(), targets.max()});
+  auto message = [who, v](const std::vector<double>& r) {
+    return ::unirl::detail::concat(who, ": targets range over [", static_cast<std::int64_t>(r.at(0)), ", ",
+                                   static_cast<std::int64_t>(r.at(1)), "], outside the vocabulary [0, ", v, ")");
+  };
+  if (auto* deferred = deferred_checks::current()) {
+    deferred->add((range.select(0, 0) >= 0) & (range.select(0, 1) < v), range, message);
+    return targets.clamp(0, v - 1);
+  }
+  const auto r = to_host(range);
+  if (!(r.at(0) >= 0 && r.at(1) < static_cast<double>(v))) throw ::unirl::error("unirl: " + message(r));
+  return targets;
 }
 
 // What a log-prob backward needs: the saved (logits, targets, lse, entropy) and the incoming
@@ -62,13 +78,14 @@ inline logprob_saved unpack_saved(torch::autograd::AutogradContext* ctx, const t
   return {saved[0], saved[1], saved[2], saved[3], grad_or_zeros(grads[0]), grad_or_zeros(grads[1])};
 }
 
-inline void check_logprob_args(const torch::Tensor& logits, const torch::Tensor& targets) {
+// Checks the shapes and the targets' range (see check_vocabulary); returns the targets to use.
+inline torch::Tensor check_logprob_args(const torch::Tensor& logits, const torch::Tensor& targets) {
   UNIRL_CHECK(logits.dim() == 2, "token_logprob: logits must be (N, V), got shape ", logits.sizes());
   UNIRL_CHECK(targets.dim() == 1 && targets.size(0) == logits.size(0), "token_logprob: targets must be (",
               logits.size(0), ",), got shape ", targets.sizes());
   UNIRL_CHECK(targets.scalar_type() == torch::kLong, "token_logprob: targets must be int64, got ", targets.dtype());
   UNIRL_CHECK(logits.is_floating_point(), "token_logprob: logits must be floating point, got ", logits.dtype());
-  check_vocabulary(targets, logits.size(1), "token_logprob");
+  return check_vocabulary(targets, logits.size(1), "token_logprob");
 }
 
 inline logprob_result logprob_reference(const torch::Tensor& logits, const torch::Tensor& targets) {
@@ -197,18 +214,21 @@ struct cuda_logprob : torch::autograd::Function<cuda_logprob> {
 /// built with `UNIRL_ENABLE_CUDA`), `exec::reference` LibTorch ops; `exec::automatic` by device.
 template <ExecutionPolicy Exec = exec::automatic>
 logprob_result token_logprob(const torch::Tensor& logits, const torch::Tensor& targets) {
-  detail::check_logprob_args(logits, targets);
+  const auto t = detail::check_logprob_args(logits, targets);
+  return exec::dispatch<Exec>(
+      logits, [&] { return detail::logprob_reference(logits, t); },
+      [&] {
+        auto out = detail::fused_logprob::apply(logits, t);
+        return logprob_result{out[0], out[1]};
+      }
 #if defined(UNIRL_WITH_CUDA_KERNELS)
-  if (Exec::select(logits) == backend::cuda && logits.is_cuda()) {
-    auto out = detail::cuda_logprob::apply(logits, targets.to(logits.device()));
-    return {out[0], out[1]};
-  }
+      ,
+      [&] {
+        auto out = detail::cuda_logprob::apply(logits, t.to(logits.device()));
+        return logprob_result{out[0], out[1]};
+      }
 #endif
-  if (Exec::select(logits) == backend::cpu && logits.device().is_cpu()) {
-    auto out = detail::fused_logprob::apply(logits, targets);
-    return {out[0], out[1]};
-  }
-  return detail::logprob_reference(logits, targets);
+  );
 }
 
 namespace detail {
@@ -271,8 +291,8 @@ inline logprob_result linear_logprob(const torch::Tensor& hidden, const torch::T
   UNIRL_CHECK(targets.dim() == 1 && targets.size(0) == hidden.size(0), "linear_logprob: targets must be (",
               hidden.size(0), ",), got ", targets.sizes());
   UNIRL_CHECK(chunk >= 1, "linear_logprob: chunk = ", chunk, ": expected >= 1");
-  detail::check_vocabulary(targets, weight.size(0), "linear_logprob");
-  auto out = detail::chunked_linear_logprob::apply(hidden, weight, targets, chunk);
+  const auto t = detail::check_vocabulary(targets, weight.size(0), "linear_logprob");
+  auto out = detail::chunked_linear_logprob::apply(hidden, weight, t, chunk);
   return {out[0], out[1]};
 }
 

@@ -7,12 +7,14 @@
 ///
 /// ```cpp
 /// // torchrun-style environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
-/// auto dp = unirl::par::data_parallel<unirl::par::gloo>::from_environment();
-/// unirl::trainer<my_model, my_algo, my_reward, unirl::par::data_parallel<unirl::par::gloo>>
+/// auto dp = unirl::parallel::data_parallel<unirl::parallel::gloo>::from_environment();
+/// unirl::trainer<my_model, my_algo, my_reward, unirl::parallel::data_parallel<unirl::parallel::gloo>>
 ///     t{model, reward, opts, std::move(dp)};
 /// ```
-/// Backends: `par::gloo` (CPU tensors; Gloo ships with LibTorch) and `par::nccl` (CUDA tensors;
-/// available when LibTorch was built with NCCL, `UNIRL_WITH_NCCL` defined).
+/// Backends: `parallel::gloo` (CPU tensors; Gloo ships with LibTorch) and `parallel::nccl` (CUDA
+/// tensors; available when LibTorch was built with NCCL, `UNIRL_WITH_NCCL` defined). The step
+/// statistics are averaged over ranks (`all_reduce_mean`), the reward range taken over all of
+/// them (`all_reduce_max`). `unirl::par` is the former name of the namespace, kept as an alias.
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
@@ -32,8 +34,9 @@
 
 #include <unirl/concepts/parallel.hpp>
 #include <unirl/core/error.hpp>
+#include <unirl/core/host.hpp>
 
-namespace unirl::par {
+namespace unirl::parallel {
 
 /// How the ranks find each other: a shared file (`file_path`, one machine or a shared file
 /// system) or a TCP store served by rank 0 (`host`, `port`).
@@ -75,7 +78,7 @@ struct nccl {
 template <class Backend = gloo>
 class data_parallel {
   static_assert(requires(const c10::intrusive_ptr<c10d::Store>& s, const rendezvous& r) { Backend::create(s, 0, 1, r); },
-                "unirl::par::data_parallel: Backend must provide static create(store, rank, world_size, rendezvous)");
+                "unirl::parallel::data_parallel: Backend must provide static create(store, rank, world_size, rendezvous)");
 
  public:
   data_parallel(int rank, int world_size, rendezvous r = {}) : rank_(rank), world_size_(world_size), r_(std::move(r)) {
@@ -173,12 +176,25 @@ class data_parallel {
     }
   }
 
-  /// The mean of `value` over ranks.
-  double all_reduce_mean(double value) {
-    if (world_size_ == 1) return value;
-    std::vector<torch::Tensor> t{torch::tensor({value}, torch::kFloat64).to(device())};
+  /// The element-wise mean of `values` over ranks (every rank passes the same length).
+  torch::Tensor all_reduce_mean(const torch::Tensor& values) {
+    if (world_size_ == 1) return values;
+    std::vector<torch::Tensor> t{values.detach().to(device(), torch::kFloat64).reshape({-1}).clone()};
     group_->allreduce(t)->wait();
-    return t[0].item<double>() / world_size_;
+    return (t[0] / world_size_).to(values.device());
+  }
+  /// The element-wise maximum of `values` over ranks.
+  torch::Tensor all_reduce_max(const torch::Tensor& values) {
+    if (world_size_ == 1) return values;
+    std::vector<torch::Tensor> t{values.detach().to(device(), torch::kFloat64).reshape({-1}).clone()};
+    c10d::AllreduceOptions o;
+    o.reduceOp = c10d::ReduceOp::MAX;
+    group_->allreduce(t, o)->wait();
+    return t[0].to(values.device());
+  }
+  /// The mean of `value` over ranks (one read).
+  double all_reduce_mean(double value) {
+    return to_host(all_reduce_mean(torch::tensor({value}, torch::kFloat64))).at(0);
   }
 
   /// True only when every rank passes `ok` (the guard skips a step everywhere or nowhere).
@@ -216,6 +232,11 @@ class data_parallel {
   group_ptr group_;
 };
 
-}  // namespace unirl::par
+}  // namespace unirl::parallel
 
-static_assert(unirl::ParallelStrategy<unirl::par::data_parallel<unirl::par::gloo>>);
+namespace unirl {
+/// The former name of `unirl::parallel`, kept so that existing code compiles.
+namespace par = parallel;
+}  // namespace unirl
+
+static_assert(unirl::ParallelStrategy<unirl::parallel::data_parallel<unirl::parallel::gloo>>);

@@ -10,19 +10,26 @@
 /// unirl::rewards::overlong_penalty len{{.max_length = 64, .cache_length = 16}};
 /// torch::Tensor r = exact(batch) + 0.1 * fmt(batch) + len(batch);
 /// ```
+/// Patterns are RE2 regular expressions (https://github.com/google/re2/wiki/Syntax): matching
+/// takes time linear in the text and bounded stack, whatever the pattern and the completion —
+/// completions are untrusted text (a model can write 100 000 characters). RE2 has no
+/// backreferences (`\1`) and no lookaround (`(?=`, `(?!`, `(?<=`, `(?<!`); a pattern using them is
+/// refused with a `config_error` naming it. Text is UTF-8: `.` and `[^x]` match one character
+/// (never an invalid byte, nor `\n` unless `(?s)`); `\d`, `\s`, `\w` are ASCII classes.
 #include <algorithm>
 #include <array>
 #include <cctype>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <memory>
 #include <optional>
-#include <regex>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include <boost/hana.hpp>
+#include <re2/re2.h>
 #include <torch/torch.h>
 
 #include <unirl/core/error.hpp>
@@ -62,20 +69,31 @@ inline std::string trim(std::string_view s) {
   return std::string(b, e);
 }
 
-inline std::regex compile(const std::string& pattern, const std::string& key) {
-  try {
-    return std::regex(pattern, std::regex::ECMAScript);
-  } catch (const std::regex_error& e) {
-    throw config_error(key, "'" + pattern + "' is not a valid ECMAScript regular expression: " + e.what());
+/// A compiled RE2 pattern; a pattern RE2 cannot compile is a `config_error` naming `key`, the
+/// pattern and RE2's reason (with a hint when it uses Perl features RE2 lacks).
+inline std::shared_ptr<const re2::RE2> compile(const std::string& pattern, const std::string& key) {
+  re2::RE2::Options o;
+  o.set_log_errors(false);
+  auto re = std::make_shared<const re2::RE2>(pattern, o);
+  if (!re->ok()) {
+    std::string why = "'" + pattern + "' is not a valid RE2 regular expression: " + re->error();
+    if (re->error_code() == re2::RE2::ErrorBadEscape || re->error_code() == re2::RE2::ErrorBadPerlOp)
+      why += " (RE2 has no backreferences such as \\1 and no lookaround such as (?= (?! (?<= (?<!)";
+    throw config_error(key, why);
   }
+  return re;
 }
 
-/// The numbers written in `s`, in order.
+/// The numbers written in `s`, in order; a number too large for a double is +-infinity.
 inline std::vector<double> numbers_in(const std::string& s) {
-  static const std::regex number(R"([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)");
+  static const re2::RE2 number(R"(([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?))");
   std::vector<double> out;
-  for (auto it = std::sregex_iterator(s.begin(), s.end(), number); it != std::sregex_iterator(); ++it)
-    out.push_back(std::stod(it->str()));
+  re2::StringPiece rest(s.data(), s.size());
+  re2::StringPiece found;
+  while (re2::RE2::FindAndConsume(&rest, number, &found)) {
+    const std::string text(found.data(), found.size());
+    out.push_back(std::strtod(text.c_str(), nullptr));  // HUGE_VAL on overflow, never throws
+  }
   return out;
 }
 
@@ -94,7 +112,7 @@ inline std::optional<double> parse_number(const std::string& s) {
 // ---------------------------------------------------------------------------------------------
 /// Options of `exact_answer`.
 struct exact_answer_options {
-  std::string extract = "";       // regex; the answer is its capture group 1 (or whole match) at the LAST match; empty = whole completion
+  std::string extract = "";       // RE2 regex; the answer is its capture group 1 (or whole match) at the LAST match; empty = whole completion
   bool trim = true;               // ignore surrounding whitespace
   bool case_sensitive = true;
   bool numeric = false;           // compare as numbers (|a - b| <= tolerance); a non-number is wrong
@@ -119,19 +137,30 @@ struct exact_answer {
   exact_answer() : exact_answer(options{}) {}
   explicit exact_answer(options o) : opts_(std::move(o)) {
     unirl::options::validate(opts_);
-    if (!opts_.extract.empty()) re_ = std::make_shared<std::regex>(detail::compile(opts_.extract, "extract"));
+    if (!opts_.extract.empty()) re_ = detail::compile(opts_.extract, "extract");
   }
 
   /// The answer a completion gives (after extraction and trimming); nullopt when none is found.
   std::optional<std::string> answer(const std::string& completion) const {
     std::string a = completion;
     if (re_) {
-      std::smatch last;
-      bool found = false;
-      for (auto it = std::sregex_iterator(completion.begin(), completion.end(), *re_); it != std::sregex_iterator(); ++it)
-        last = *it, found = true;
-      if (!found) return std::nullopt;
-      a = last.size() > 1 && last[1].matched ? last[1].str() : last[0].str();
+      // Successive non-overlapping matches, left to right; keep the last.
+      const re2::StringPiece text(completion.data(), completion.size());
+      const int n = re_->NumberOfCapturingGroups() >= 1 ? 2 : 1;
+      re2::StringPiece m[2];
+      std::optional<std::string> last;
+      std::size_t pos = 0;
+      while (pos <= text.size() && re_->Match(text, pos, text.size(), re2::RE2::UNANCHORED, m, n)) {
+        last = n == 2 && m[1].data() != nullptr ? std::string(m[1].data(), m[1].size()) : std::string(m[0].data(), m[0].size());
+        pos = static_cast<std::size_t>(m[0].data() - text.data()) + m[0].size();
+        if (m[0].empty()) {  // an empty match: step over one (UTF-8) character
+          if (pos >= text.size()) break;
+          ++pos;
+          while (pos < text.size() && (static_cast<unsigned char>(text[pos]) & 0xC0) == 0x80) ++pos;
+        }
+      }
+      if (!last) return std::nullopt;
+      a = std::move(*last);
     }
     return normalise(a);
   }
@@ -165,13 +194,13 @@ struct exact_answer {
     return s;
   }
   options opts_;
-  std::shared_ptr<const std::regex> re_;
+  std::shared_ptr<const re2::RE2> re_;
 };
 
 // ---------------------------------------------------------------------------------------------
 /// Options of `regex_format`.
 struct regex_format_options {
-  std::string pattern = ".*";   // ECMAScript regular expression
+  std::string pattern = ".*";   // RE2 regular expression (see the file comment)
   bool full_match = true;       // the whole completion must match (else: a match anywhere)
   double matched = 1.0, unmatched = 0.0;
 
@@ -187,15 +216,15 @@ struct regex_format {
   static constexpr std::string_view name = "format";
 
   regex_format() : regex_format(options{}) {}
-  explicit regex_format(options o)
-      : opts_(std::move(o)), re_(std::make_shared<std::regex>(detail::compile(opts_.pattern, "pattern"))) {}
+  explicit regex_format(options o) : opts_(std::move(o)), re_(detail::compile(opts_.pattern, "pattern")) {}
 
   template <HasCompletions B>
   torch::Tensor operator()(const B& b) const {
     std::vector<float> r;
     r.reserve(b.completions.size());
     for (const auto& c : completions_of(b, "regex_format")) {
-      const bool ok = opts_.full_match ? std::regex_match(c, *re_) : std::regex_search(c, *re_);
+      const re2::StringPiece text(c.data(), c.size());
+      const bool ok = opts_.full_match ? re2::RE2::FullMatch(text, *re_) : re2::RE2::PartialMatch(text, *re_);
       r.push_back(static_cast<float>(ok ? opts_.matched : opts_.unmatched));
     }
     return to_scores(r);
@@ -203,7 +232,7 @@ struct regex_format {
 
  private:
   options opts_;
-  std::shared_ptr<const std::regex> re_;
+  std::shared_ptr<const re2::RE2> re_;
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -317,7 +346,7 @@ inline torch::Tensor box_iou(const torch::Tensor& a, const torch::Tensor& b) {
 struct iou_options {
   box_format format = box_format::xyxy;
   double threshold = 0.0;   // > 0: reward 1 when IoU >= threshold, else 0; 0: the IoU itself
-  double invalid = 0.0;     // reward of a completion without four numbers
+  double invalid = 0.0;     // reward of a completion without four (finite) numbers
 
   void validate(const std::string& prefix) const {
     options::require(threshold >= 0 && threshold <= 1, prefix + "threshold", threshold, "in [0, 1]");
@@ -346,8 +375,11 @@ struct iou_reward {
       const auto r = detail::numbers_in(reference_at(b, static_cast<std::size_t>(i), "iou_reward"));
       UNIRL_CHECK(r.size() >= 4, "iou_reward: reference ", i, " '", b.references[i], "' has ", r.size(),
                   " numbers; expected a box of four");
+      UNIRL_CHECK(std::all_of(r.begin(), r.begin() + 4, [](double v) { return std::isfinite(v); }), "iou_reward: reference ",
+                  i, " '", b.references[i], "' has a coordinate beyond the range of a double; expected a finite box");
       const auto p = detail::numbers_in(b.completions[i]);
-      valid[i] = p.size() >= 4;
+      // A box with a coordinate too large for a double is no box: the completion gets `invalid`.
+      valid[i] = p.size() >= 4 && std::all_of(p.begin(), p.begin() + 4, [](double v) { return std::isfinite(v); });
       for (int k = 0; k < 4; ++k) {
         ref[i][k] = r[k];
         if (valid[i]) pred[i][k] = p[k];

@@ -34,32 +34,7 @@
 
 namespace unirl::rewards {
 
-/// A batch carrying generated text: `std::vector<std::string> completions`, one per sample.
-template <class B>
-concept HasCompletions = requires(const B& b) {
-  { b.completions } -> std::convertible_to<const std::vector<std::string>&>;
-};
-
-/// A batch carrying per-sample ground truth text: `std::vector<std::string> references`.
-template <class B>
-concept HasReferences = requires(const B& b) {
-  { b.references } -> std::convertible_to<const std::vector<std::string>&>;
-};
-
-/// A batch carrying the prompt text of each sample: `std::vector<std::string> prompts`.
-template <class B>
-concept HasPrompts = requires(const B& b) {
-  { b.prompts } -> std::convertible_to<const std::vector<std::string>&>;
-};
-
-/// A batch carrying generated images (or any final samples), (B, ...): a `torch::Tensor images`
-/// member or a `torch::Tensor samples() const` method (the flow track's `flow_rollout`).
-template <class B>
-concept HasImages = requires(const B& b) {
-  { b.images } -> std::convertible_to<const torch::Tensor&>;
-} || requires(const B& b) {
-  { b.samples() } -> std::convertible_to<torch::Tensor>;
-};
+// HasCompletions, HasReferences, HasPrompts, HasImages and ScorerFor: concepts/reward.hpp.
 
 /// The generated images of a batch: `b.images`, else `b.samples()`.
 template <HasImages B>
@@ -67,15 +42,6 @@ torch::Tensor images_of(const B& b) {
   if constexpr (requires { { b.images } -> std::convertible_to<const torch::Tensor&>; }) return b.images;
   else return b.samples();
 }
-
-/// A scorer for batches of type `Batch`: the reward concept `RewardFor` (`torch::Tensor
-/// operator()(const Batch&)` giving a (B,) float tensor), spelled for the parts of a composite.
-///
-/// Minimal complete definition: `torch::Tensor operator()(const Batch&)`. Optional: a name,
-/// either `static constexpr std::string_view name` or `std::string name() const`, used for the
-/// per-component statistics of a composer.
-template <class S, class Batch>
-concept ScorerFor = RewardFor<S, Batch>;
 
 /// The display name of a scorer: its `name()` / `name` member, else `fallback`.
 template <class S>

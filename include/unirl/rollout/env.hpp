@@ -17,15 +17,23 @@
 #include <limits>
 #include <vector>
 
+#include <boost/hana.hpp>
 #include <torch/torch.h>
 
+#include <unirl/concepts/env_policy.hpp>
 #include <unirl/concepts/rollout.hpp>
+#include <unirl/concepts/track.hpp>
+#include <unirl/concepts/vector_environment.hpp>
+#include <unirl/core/batch.hpp>
 #include <unirl/core/context.hpp>
 #include <unirl/core/error.hpp>
 
 namespace unirl {
 
 /// A rollout of a policy in N environment copies; every per-row tensor has T*N rows.
+/// Its members are reflected (core/batch.hpp): a new per-row field is one line here and one name
+/// in the `BOOST_HANA_ADAPT_STRUCT` below; what describes the whole (T, N) rollout is named in
+/// `layout_fields` and dropped by `select` / `batch::concat`.
 struct env_rollout {
   torch::Tensor obs;         // (T*N, D) float: observation the action was taken in
   torch::Tensor actions;     // (T*N,) int64 (discrete) | (T*N, A) float (continuous, unclipped sample)
@@ -40,74 +48,25 @@ struct env_rollout {
   std::int64_t num_steps = 0;  // T; 0 for a minibatch (rows no longer form a (T, N) grid)
   std::int64_t num_envs = 0;   // N; 0 for a minibatch
 
+  /// Not per row: the (T, N) grid and the bootstrap values of the whole rollout.
+  using layout_fields = batch::fields<"next_value", "next_done", "num_steps", "num_envs">;
+
   std::int64_t size() const { return obs.defined() ? obs.size(0) : 0; }
 
   /// The rows at `index` ((n,) int64), in order; the (T, N) layout and bootstrap values are dropped.
-  env_rollout select(const torch::Tensor& index) const {
-    auto pick = [&](const torch::Tensor& t) { return t.defined() ? t.index_select(0, index.to(t.device())) : t; };
-    env_rollout out;
-    out.obs = pick(obs);
-    out.actions = pick(actions);
-    out.logprobs = pick(logprobs);
-    out.rewards = pick(rewards);
-    out.dones = pick(dones);
-    out.values = pick(values);
-    out.advantages = pick(advantages);
-    out.returns = pick(returns);
-    return out;
-  }
+  env_rollout select(const torch::Tensor& index) const;
 };
+
+}  // namespace unirl
+
+BOOST_HANA_ADAPT_STRUCT(unirl::env_rollout, obs, actions, logprobs, rewards, dones, values, advantages, returns,
+                        next_value, next_done, num_steps, num_envs);
+
+namespace unirl {
+
+inline env_rollout env_rollout::select(const torch::Tensor& index) const { return batch::select(*this, index); }
+
 static_assert(RolloutBatch<env_rollout>);
-
-/// Track tag of agents stepping an environment; its batch is `env_rollout`.
-struct env_track {
-  using rollout_type = env_rollout;
-};
-
-/// What a policy returns when it acts: sampled actions with their log-probabilities and values.
-struct env_action {
-  torch::Tensor action;  // (B,) int64 | (B, A) float
-  torch::Tensor logp;    // (B,)
-  torch::Tensor value;   // (B,)
-};
-
-/// What a policy returns when it re-evaluates stored actions (differentiable).
-struct env_evaluation {
-  torch::Tensor logp;     // (B,)
-  torch::Tensor entropy;  // (B,)
-  torch::Tensor value;    // (B,)
-};
-
-/// A policy with a value head for the env track.
-///
-/// Minimal complete definition: `env_action act(const torch::Tensor& obs)` (sample),
-/// `env_evaluation evaluate(const torch::Tensor& obs, const torch::Tensor& actions)` and
-/// `torch::Tensor value(const torch::Tensor& obs)`, for obs (B, D) float.
-template <class P>
-concept EnvPolicy = requires(const P& p, const torch::Tensor& t) {
-  { p.act(t) } -> std::same_as<env_action>;
-  { p.evaluate(t, t) } -> std::same_as<env_evaluation>;
-  { p.value(t) } -> std::same_as<torch::Tensor>;
-};
-
-/// N environment copies stepped together with auto-reset (e.g. `envs::vector_env<E>`).
-///
-/// Minimal complete definition: `num_envs()`, `observations()` ((N, D) float, current),
-/// `dones()` ((N,) float, CleanRL's `next_done`), `step(actions)` returning a struct with
-/// `rewards` and `dones` ((N,) float), `env_steps()`, and `episodes()` — a sequence of records
-/// with `episode_return` and `length`.
-template <class V>
-concept VectorEnvironment = requires(V& v, const V& cv, const torch::Tensor& a) {
-  { cv.num_envs() } -> std::convertible_to<std::int64_t>;
-  { cv.observations() } -> std::convertible_to<torch::Tensor>;
-  { cv.dones() } -> std::convertible_to<torch::Tensor>;
-  { v.step(a).rewards } -> std::convertible_to<torch::Tensor>;
-  { v.step(a).dones } -> std::convertible_to<torch::Tensor>;
-  { cv.env_steps() } -> std::convertible_to<std::int64_t>;
-  { cv.episodes().size() } -> std::convertible_to<std::size_t>;
-  { cv.episodes().back().episode_return } -> std::convertible_to<double>;
-  { cv.episodes().back().length } -> std::convertible_to<std::int64_t>;
-};
 
 /// Steps `env` with `policy` for `num_steps` steps (CleanRL's rollout phase, without gradients)
 /// and bootstraps the value of the last observation. When `info` is given, the episodes that

@@ -11,9 +11,12 @@
 /// ```
 #include <cstdint>
 
+#include <boost/hana.hpp>
 #include <torch/torch.h>
 
 #include <unirl/concepts/rollout.hpp>
+#include <unirl/concepts/track.hpp>
+#include <unirl/core/batch.hpp>
 #include <unirl/core/error.hpp>
 
 namespace unirl::rollout {
@@ -21,6 +24,8 @@ namespace unirl::rollout {
 /// A batch of denoising trajectories. `K` is the number of sampler steps, `S...` the sample
 /// shape ((C, H, W) for images, (F, C, H, W) for clips). Step `k` goes from
 /// `trajectory[:, k]` at time `timesteps[:, k]` to `trajectory[:, k+1]` at `timesteps[:, k+1]`.
+/// Its members are reflected (core/batch.hpp), every one per sample: a new field is one line
+/// here and one name in the `BOOST_HANA_ADAPT_STRUCT` below (`batch::concat`, `batch::to` apply).
 struct flow_rollout {
   torch::Tensor conditions;   // (B,) int64 class labels, or (B, D) float embeddings
   torch::Tensor trajectory;   // (B, K+1, S...) states; [:, 0] is the initial noise, [:, K] the sample
@@ -38,21 +43,19 @@ struct flow_rollout {
   /// The final states (B, S...): the generated images or clips.
   torch::Tensor samples() const { return trajectory.select(1, trajectory.size(1) - 1); }
 
-  /// The samples at `index` ((n,) int64), in order.
-  flow_rollout select(const torch::Tensor& index) const {
-    UNIRL_CHECK(index.dim() == 1, "flow_rollout::select: index must be 1-D, got sizes ", index.sizes());
-    auto pick = [&](const torch::Tensor& t) {
-      return t.defined() ? t.index_select(0, index.to(t.device(), torch::kInt64)) : t;
-    };
-    return {pick(conditions), pick(trajectory), pick(means),     pick(stds),
-            pick(log_probs),  pick(timesteps),  pick(advantages), pick(rewards)};
-  }
+  /// The samples at `index` ((n,) int64), in order (`batch::select`: every member is per sample).
+  flow_rollout select(const torch::Tensor& index) const;
 };
-static_assert(RolloutBatch<flow_rollout>);
 
-/// The flow track tag: a model adapter declares `using track = unirl::rollout::flow_track;`.
-struct flow_track {
-  using rollout_type = flow_rollout;
-};
+}  // namespace unirl::rollout
+
+BOOST_HANA_ADAPT_STRUCT(unirl::rollout::flow_rollout, conditions, trajectory, means, stds, log_probs, timesteps,
+                        advantages, rewards);
+
+namespace unirl::rollout {
+
+inline flow_rollout flow_rollout::select(const torch::Tensor& index) const { return batch::select(*this, index); }
+
+static_assert(RolloutBatch<flow_rollout>);
 
 }  // namespace unirl::rollout

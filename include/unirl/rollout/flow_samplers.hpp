@@ -1,7 +1,7 @@
 #pragma once
 /// \file flow_samplers.hpp
 /// Samplers (policies) of the flow track, each with per-step Gaussian log-probabilities
-/// (ALGORITHMS.md §3). Every step of every sampler is affine in the state and the model output:
+/// (docs/flow.md). Every step of every sampler is affine in the state and the model output:
 /// `mean = cx * x + cm * model(x, t, cond)`, `x' = mean + std * xi`, so a sampler is its scalar
 /// `coefficients(t, t_next)` (plain `UNIRL_HOST_DEVICE` maths shared with any kernel) plus what
 /// the model predicts (velocity or noise) and its time grid.
@@ -31,19 +31,14 @@
 #include <boost/hana.hpp>
 #include <torch/torch.h>
 
+#include <unirl/concepts/flow.hpp>
+#include <unirl/concepts/flow_sampler.hpp>
 #include <unirl/config.hpp>
 #include <unirl/core/error.hpp>
 #include <unirl/core/options.hpp>
-#include <unirl/models/flow.hpp>
 #include <unirl/rollout/flow.hpp>
 
-namespace unirl::rollout {
-
-/// How per-element Gaussian log-probs (and KLs) are reduced over a sample: `mean` matches the
-/// Flow-GRPO reference code (hence its 1e-4 clip range); `sum` is the true log-density.
-enum class logprob_reduction { mean, sum };
-
-}  // namespace unirl::rollout
+// logprob_reduction, step_coefficients and SamplerFor: concepts/flow_sampler.hpp.
 
 template <>
 inline constexpr std::array unirl::enum_names<unirl::rollout::logprob_reduction>{std::string_view{"mean"},
@@ -75,13 +70,6 @@ BOOST_HANA_ADAPT_STRUCT(unirl::rollout::flow_sampler_options, steps, noise_level
                         reduction);
 
 namespace unirl::rollout {
-
-/// One step: `mean = cx * x + cm * model_output`, Gaussian with standard deviation `std`.
-struct step_coefficients {
-  double cx = 1.0;
-  double cm = 0.0;
-  double std = 0.0;
-};
 
 /// One evaluated step: the Gaussian's mean (B, S...) and its standard deviation.
 struct gaussian_step {
@@ -238,20 +226,6 @@ struct ddim {
   logprob_reduction reduction() const { return opts.reduction; }
 };
 }  // namespace sde
-
-/// A sampler usable with model `M`.
-///
-/// Minimal complete definition: `step_coefficients coefficients(M&, double t, double t_next) const`,
-/// `torch::Tensor predict(M&, x, double t, cond) const` (the model output the coefficients
-/// multiply), `std::vector<double> timesteps(M&) const` (K+1 times, noise first) and
-/// `logprob_reduction reduction() const`.
-template <class S, class M>
-concept SamplerFor = requires(const S& s, M& m, const torch::Tensor& x, double t) {
-  { s.coefficients(m, t, t) } -> std::same_as<step_coefficients>;
-  { s.predict(m, x, t, x) } -> std::same_as<torch::Tensor>;
-  { s.timesteps(m) } -> std::convertible_to<std::vector<double>>;
-  { s.reduction() } -> std::same_as<logprob_reduction>;
-};
 
 /// Per-sample Gaussian log-prob (B,) of `x_next` under N(mean, std^2), reduced over elements;
 /// zeros for a deterministic step (std = 0).

@@ -18,8 +18,8 @@
 
 #include <torch/torch.h>
 
+#include <unirl/concepts/causal_lm.hpp>
 #include <unirl/core/error.hpp>
-#include <unirl/models/causal_lm.hpp>
 #include <unirl/rollout/sampling.hpp>
 #include <unirl/rollout/token.hpp>
 

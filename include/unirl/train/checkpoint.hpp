@@ -42,6 +42,7 @@
 
 #include <torch/torch.h>
 
+#include <unirl/concepts/checkpoint.hpp>
 #include <unirl/concepts/model.hpp>
 #include <unirl/config.hpp>
 #include <unirl/core/error.hpp>
@@ -384,26 +385,4 @@ inline torch::serialize::InputArchive read_archive(torch::serialize::InputArchiv
 
 }  // namespace unirl::train
 
-namespace unirl {
-
-/// A state that can travel in a checkpoint next to the model: the trainer's
-/// `save(path, extras...)` / `load(path, extras...)` store each extra in the same file.
-///
-/// Minimal complete definition:
-/// - `void save(torch::serialize::OutputArchive&) const` — writes everything needed to continue;
-/// - `void load(torch::serialize::InputArchive&)` — restores it, throwing `checkpoint_error`
-///   for an archive it cannot use.
-///
-/// ```cpp
-/// unirl::envs::vector_env<unirl::envs::pendulum> venv({}, {.normalize_observation = true});
-/// static_assert(unirl::Checkpointable<decltype(venv)>);
-/// t.save("run/ckpt.pt", venv);   // later: t.load("run/ckpt.pt", venv);
-/// ```
-template <class T>
-concept Checkpointable = requires(const T& c, T& m, torch::serialize::OutputArchive& out,
-                                  torch::serialize::InputArchive& in) {
-  c.save(out);
-  m.load(in);
-};
-
-}  // namespace unirl
+// The Checkpointable concept: concepts/checkpoint.hpp.

@@ -1,11 +1,15 @@
 #pragma once
 /// \file clip.hpp
-/// Global gradient-norm measurement and clipping (as `torch.nn.utils.clip_grad_norm_`).
+/// Global gradient-norm measurement and clipping (as `torch.nn.utils.clip_grad_norm_`), with a
+/// double result (one host read) or as tensors that stay on the device (`grad_norm_tensor`,
+/// `clip_grads`: what the trainer uses, reading the norm with its step's other figures).
 ///
 /// ```cpp
 /// loss.backward();
 /// double norm = unirl::train::clip_grad_norm(params, 1.0);   // pre-clip L2 norm
 /// if (!std::isfinite(norm)) { /* skip the update */ }
+/// torch::Tensor n = unirl::train::grad_norm_tensor(params);  // no host read
+/// unirl::train::clip_grads(params, n, 1.0);                  // no host read either
 /// ```
 #include <cmath>
 #include <string>
@@ -74,6 +78,32 @@ inline double clip_grad_norm(const std::vector<torch::Tensor>& params, double ma
       if (p.defined() && p.grad().defined()) p.grad().mul_(coef);
   }
   return norm;
+}
+
+/// `grad_norm` as a () float64 tensor on the gradients' device, without reading it: per-tensor
+/// norms in the gradient's dtype (as PyTorch), accumulated in double. 0 when no parameter has a
+/// gradient (on the CPU).
+inline torch::Tensor grad_norm_tensor(const std::vector<torch::Tensor>& params) {
+  std::vector<torch::Tensor> norms;
+  norms.reserve(params.size());
+  for (const auto& p : params)
+    if (p.defined() && p.grad().defined()) norms.push_back(p.grad().detach().norm().to(torch::kFloat64));
+  if (norms.empty()) return torch::zeros({}, torch::kFloat64);
+  const auto device = norms.front().device();
+  for (auto& n : norms) n = n.to(device);
+  return torch::stack(norms).pow(2).sum().sqrt();
+}
+
+/// `clip_grad_norm` given the norm (`grad_norm_tensor`), without reading it: scales the
+/// gradients in place by `max_norm / (norm + 1e-6)` where the norm is finite and exceeds
+/// `max_norm` (> 0), by 1 elsewhere.
+inline void clip_grads(const std::vector<torch::Tensor>& params, const torch::Tensor& norm, double max_norm) {
+  if (!(max_norm > 0.0)) return;
+  torch::NoGradGuard no_grad;
+  const auto coef = torch::where(torch::isfinite(norm) & (norm > max_norm), max_norm / (norm + 1e-6),
+                                 torch::ones_like(norm));
+  for (const auto& p : params)
+    if (p.defined() && p.grad().defined()) p.grad().mul_(coef.to(p.grad().device()));
 }
 
 }  // namespace unirl::train

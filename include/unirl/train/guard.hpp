@@ -21,6 +21,7 @@
 
 #include <unirl/config.hpp>
 #include <unirl/core/error.hpp>
+#include <unirl/core/host.hpp>
 #include <unirl/core/options.hpp>
 
 namespace unirl::train {
@@ -59,16 +60,25 @@ class stability_guard {
   static bool finite(const torch::Tensor& t) {
     if (!t.defined() || t.numel() == 0) return true;
     if (!t.is_floating_point() && !t.is_complex()) return true;
-    return torch::isfinite(t.detach()).all().item<bool>();
+    return to_host(torch::isfinite(t.detach()).all()).at(0) != 0.0;
   }
-  /// True when every existing gradient of `params` is finite. One host synchronisation.
+  /// True when every existing gradient of `params` is finite. One host synchronisation (the
+  /// read of `nonfinite_grads`).
   static bool grads_finite(const std::vector<torch::Tensor>& params) {
+    const auto bad = nonfinite_grads(params);
+    return !bad.defined() || to_host(bad).at(0) == 0.0;
+  }
+  /// A () bool tensor, true when some existing gradient of `params` holds a NaN or an infinity —
+  /// the found-non-finite flag, computed on the gradients' device without reading it (undefined
+  /// when no parameter has a gradient).
+  static torch::Tensor nonfinite_grads(const std::vector<torch::Tensor>& params) {
+    torch::NoGradGuard ng;
     std::vector<torch::Tensor> ok;
     for (const auto& p : params)
-      if (p.defined() && p.grad().defined() && p.grad().numel() > 0)
-        ok.push_back(torch::isfinite(p.grad().detach()).all().to(torch::kCPU));
-    if (ok.empty()) return true;
-    return torch::stack(ok).all().item<bool>();
+      if (p.defined() && p.grad().defined() && p.grad().numel() > 0) ok.push_back(torch::isfinite(p.grad().detach()).all());
+    if (ok.empty()) return {};
+    for (auto& o : ok) o = o.to(ok.front().device());
+    return torch::stack(ok).all().logical_not();
   }
 
   /// Records a loss; true when it is a spike (see the class comment).

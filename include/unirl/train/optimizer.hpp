@@ -25,6 +25,7 @@
 #include <unirl/config.hpp>
 #include <unirl/core/error.hpp>
 #include <unirl/core/options.hpp>
+#include <unirl/detail/compat.hpp>
 
 namespace unirl::train {
 
@@ -188,7 +189,8 @@ class optimizer {
                              " parameter groups, this optimizer " + std::to_string(groups_.size()));
     auto& state = adamw_->state();
     // Parse everything first so that a mismatch leaves the current state untouched.
-    std::vector<std::pair<std::string, std::unique_ptr<torch::optim::OptimizerParamState>>> restored;
+    std::vector<std::pair<::unirl::detail::compat::optimizer_state_key, std::unique_ptr<torch::optim::OptimizerParamState>>>
+        restored;
     for (std::size_t g = 0; g < groups_.size(); ++g) {
       const auto gk = "optimizer/g" + std::to_string(g);
       const auto gname = read_string(a, gk + "/name");
@@ -246,8 +248,10 @@ class optimizer {
                 groups_.size(), " groups");
     return groups_[g];
   }
-  // The key LibTorch's optimizers use for a parameter's state.
-  static std::string key_of(const torch::Tensor& p) { return c10::guts::to_string(p.unsafeGetTensorImpl()); }
+  // The key LibTorch's optimizers use for a parameter's state (a string in 1.13, a pointer in 2.x).
+  static ::unirl::detail::compat::optimizer_state_key key_of(const torch::Tensor& p) {
+    return ::unirl::detail::compat::optimizer_state_key_of(p);
+  }
   static std::string shape_text(const torch::Tensor& t) {
     std::string s = "[";
     for (std::int64_t d = 0; d < t.dim(); ++d) s += (d ? ", " : "") + std::to_string(t.size(d));

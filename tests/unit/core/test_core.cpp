@@ -7,6 +7,8 @@
 #include <limits>
 #include <random>
 
+#include <unirl/detail/compat.hpp>
+#include <unirl/core/command_line.hpp>
 #include <unirl/trainer.hpp>
 
 #include "common/bandit.hpp"
@@ -70,7 +72,7 @@ TEST_CASE("options overrides parse each type and reject bad keys and values", "[
     }
     return std::string("no error");
   };
-  CHECK(message({"stepz=1"}) == "option 'stepz': unknown key");
+  CHECK(message({"stepz=1"}) == "option 'stepz': unknown key; did you mean steps?");
   CHECK(message({"inner.nope=1"}) == "option 'inner.nope': unknown key");
   CHECK(message({"steps=ten"}) == "option 'steps': cannot read 'ten' as an integer");
   CHECK(message({"steps=1.5"}) == "option 'steps': cannot read '1.5' as an integer");
@@ -345,7 +347,7 @@ std::vector<torch::Tensor> adam_state(T& t) {
   auto& opt = t.optimizer().torch_optimizer();
   for (const auto& group : opt.param_groups())
     for (const auto& p : group.params()) {
-      auto it = opt.state().find(c10::guts::to_string(p.unsafeGetTensorImpl()));
+      auto it = opt.state().find(unirl::detail::compat::optimizer_state_key_of(p));
       if (it == opt.state().end()) continue;
       auto& st = static_cast<torch::optim::AdamWParamState&>(*it->second);
       out.push_back(st.exp_avg().clone());
@@ -442,4 +444,19 @@ TEST_CASE("a program's command line: recipe, overrides and declared flags", "[cp
   CHECK_THROWS_WITH(run({"--out"}, o), "option '--out': flag without a value");
   CHECK_THROWS_WITH(unirl::options::parse_value<std::int64_t>("--seed", "x1"),
                     "option '--seed': cannot read 'x1' as an integer");
+}
+
+TEST_CASE("an unknown key suggests the nearest known one", "[cpu][options]") {
+  bandit_trainer::options o;
+  CHECK_THROWS_WITH(unirl::options::set(o, "optim.lrr", "1e-4"), "option 'optim.lrr': unknown key; did you mean optim.lr?");
+  CHECK_THROWS_WITH(unirl::options::set(o, "optm.lr", "1e-4"), "option 'optm.lr': unknown key; did you mean optim.lr?");
+  CHECK_THROWS_WITH(unirl::options::set(o, "group_sise", "4"),
+                    "option 'group_sise': unknown key; did you mean group_size?");
+  // From a recipe: the keys of the object the unknown one sits in.
+  CHECK_THROWS_WITH(unirl::options::from_json(o, nlohmann::json::parse(R"({"optim": {"lrr": 1}})")),
+                    "option 'optim.lrr': unknown key; did you mean optim.lr?");
+  // Nothing near: no suggestion.
+  CHECK_THROWS_WITH(unirl::options::set(o, "optim.momentum", "0.9"), "option 'optim.momentum': unknown key");
+  outer_options p;
+  CHECK_THROWS_WITH(unirl::options::set(p, "inner.speed", "1"), "option 'inner.speed': unknown key");
 }

@@ -31,6 +31,17 @@ using Catch::Matchers::Contains;
 using unirl::envs::cartpole;
 using unirl::envs::pendulum;
 using unirl::envs::vector_env;
+// PPO for the env track: the family ppo<> bound to env_track (its options nest rollout_steps under .track).
+using env_ppo = unirl::algo::ppo<>::for_track<unirl::env_track>;
+
+// PPO trains the built-in actor-critics on the built-in environments (asserted here, where they
+// are included: algorithms/ppo_env.hpp names no concrete model or environment).
+static_assert(unirl::VectorEnvironment<vector_env<cartpole>>);
+static_assert(unirl::VectorEnvironment<vector_env<pendulum>>);
+static_assert(unirl::AlgorithmFor<unirl::algo::ppo<>, unirl::models::categorical_actor_critic>);
+static_assert(unirl::AlgorithmFor<unirl::algo::ppo<>, unirl::models::gaussian_actor_critic>);
+static_assert(unirl::SamplesFrom<unirl::algo::ppo<>, unirl::models::categorical_actor_critic, vector_env<cartpole>>);
+static_assert(unirl::SamplesFrom<unirl::algo::ppo<>, unirl::models::gaussian_actor_critic, vector_env<pendulum>>);
 
 namespace {
 
@@ -60,7 +71,7 @@ std::pair<std::array<double, 2>, double> gym_pendulum_step(std::array<double, 2>
 // called with each step's statistics. Returns the mean return of the last 20 episodes after the
 // first iteration and after the last.
 template <class Policy, class Env, class OnStep>
-std::pair<double, double> train_ppo(vector_env<Env>& venv, Policy policy, const unirl::algo::ppo<>::options& algo,
+std::pair<double, double> train_ppo(vector_env<Env>& venv, Policy policy, const env_ppo::options& algo,
                                     double lr, std::int64_t epochs, std::int64_t minibatches, std::int64_t total_steps,
                                     std::int64_t iterations, OnStep&& on_step) {
   using trainer_t = unirl::trainer<Policy, unirl::algo::ppo<>, unirl::rewards::environment_reward>;
@@ -464,7 +475,7 @@ TEST_CASE("PPO on the env track: GAE over (T, N) and an on-policy ratio of exact
   using policy_t = unirl::models::categorical_actor_critic;
   unirl::model_set<policy_t> models{policy_t(4, 2)};
   vector_env<cartpole> venv(cartpole(4), {.num_envs = 3, .seed = 2});
-  unirl::algo::ppo<> algo({.gamma = 0.9, .lambda = 0.8, .rollout_steps = 6});
+  env_ppo algo({.gamma = 0.9, .lambda = 0.8, .track = {.rollout_steps = 6}});
   std::map<std::string, double> extra;
   const unirl::step_info info{0, 1, torch::kCPU, &extra};
   auto batch = algo.sample(models, venv, info);
@@ -504,7 +515,7 @@ TEST_CASE("PPO trains CartPole far above a random policy", "[cpu][env][slow]") {
   vector_env<cartpole> venv({}, {.num_envs = 4, .seed = 1});
   torch::manual_seed(1);  // the policy's initial weights: the same whatever ran before
   const auto [first_return, final_return] =
-      train_ppo(venv, unirl::models::categorical_actor_critic(4, 2), {.ent_coef = 0.01, .rollout_steps = 128}, 2.5e-4,
+      train_ppo(venv, unirl::models::categorical_actor_critic(4, 2), {.ent_coef = 0.01, .track = {.rollout_steps = 128}}, 2.5e-4,
                 4, 4, iterations, iterations, [](const unirl::step_stats& s) {
                   CHECK(s.samples == 512);
                   CHECK(s.optimizer_steps == 16);
@@ -522,7 +533,7 @@ TEST_CASE("PPO with the Gaussian policy learns to swing Pendulum up", "[cpu][env
                                  .normalize_reward = true, .reward_gamma = 0.9});
   torch::manual_seed(1);  // the policy's initial weights: the same whatever ran before
   const auto [first_return, final_return] =
-      train_ppo(venv, unirl::models::gaussian_actor_critic(3, 1), {.ent_coef = 0.0, .gamma = 0.9, .rollout_steps = 512},
+      train_ppo(venv, unirl::models::gaussian_actor_critic(3, 1), {.ent_coef = 0.0, .gamma = 0.9, .track = {.rollout_steps = 512}},
                 1e-3, 10, 32, 195, 30, [](const unirl::step_stats&) {});
   INFO("first iteration " << first_return << ", last 20 episodes " << final_return);
   CHECK(first_return < -900.0);   // a random policy loses ~1200 per episode
@@ -586,7 +597,7 @@ double max_weight_diff(const Trainer& a, const Trainer& b) {
 // fresh trainer (other initial weights) and a fresh vector_env (`resume_env`: another seed) that
 // load(path, venv) and run m more; everything after the resume must be bit for bit the same.
 template <class Policy, class E>
-void check_resume(const std::function<Policy()>& make_policy, const unirl::algo::ppo<>::options& algo,
+void check_resume(const std::function<Policy()>& make_policy, const env_ppo::options& algo,
                   const unirl::envs::vector_env_options& env_opts, const unirl::envs::vector_env_options& resume_env,
                   std::int64_t n, std::int64_t m) {
   torch::set_num_threads(1);
@@ -721,14 +732,14 @@ TEST_CASE("PPO on Pendulum with normalisation resumes from trainer.save(path, ve
   // 2 copies x 64 steps per iteration; the save falls mid-episode (192 of 200 steps), so the
   // episode accumulators and the discounted returns of the reward normaliser cross the resume.
   check_resume<unirl::models::gaussian_actor_critic, pendulum>(
-      [] { return unirl::models::gaussian_actor_critic(3, 1); }, {.ent_coef = 0.0, .gamma = 0.9, .rollout_steps = 64},
+      [] { return unirl::models::gaussian_actor_critic(3, 1); }, {.ent_coef = 0.0, .gamma = 0.9, .track = {.rollout_steps = 64}},
       {.num_envs = 2, .seed = 1, .normalize_observation = true, .normalize_reward = true, .reward_gamma = 0.9},
       {.num_envs = 3, .seed = 42}, 3, 3);
 }
 
 TEST_CASE("PPO on CartPole resumes from trainer.save(path, venv) bit for bit", "[cpu][env][slow]") {
   check_resume<unirl::models::categorical_actor_critic, cartpole>(
-      [] { return unirl::models::categorical_actor_critic(4, 2); }, {.ent_coef = 0.01, .rollout_steps = 64},
+      [] { return unirl::models::categorical_actor_critic(4, 2); }, {.ent_coef = 0.01, .track = {.rollout_steps = 64}},
       {.num_envs = 4, .seed = 3}, {.num_envs = 4, .seed = 17}, 3, 3);
 }
 
@@ -736,7 +747,7 @@ TEST_CASE("trainer.load refuses a checkpoint saved with another number of extras
   torch::set_num_threads(1);
   using trainer_t = unirl::trainer<unirl::models::categorical_actor_critic, unirl::algo::ppo<>,
                                    unirl::rewards::environment_reward>;
-  const trainer_t::options opts{.algorithm = {.rollout_steps = 8}, .progress = false};
+  const trainer_t::options opts{.algorithm = {.track = {.rollout_steps = 8}}, .progress = false};
   vector_env<cartpole> venv({}, {.num_envs = 2, .seed = 1}), venv2({}, {.num_envs = 2, .seed = 2});
   trainer_t t{unirl::models::categorical_actor_critic(4, 2), {}, opts};
   t.step(venv);

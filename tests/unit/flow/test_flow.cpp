@@ -171,7 +171,7 @@ TEST_CASE("replaying a stored trajectory reproduces its log-probs exactly", "[fl
   }
 }
 
-TEST_CASE("sampler coefficients follow ALGORITHMS.md section 3", "[flow][cpu]") {
+TEST_CASE("sampler coefficients follow the conventions of docs/flow.md", "[flow][cpu]") {
   // Flow-GRPO at t = 0.5 -> 0.25, a = 0.7: sigma = 0.7, k = sigma^2 / (2t) = 0.49, dt = -0.25.
   const auto f = rollout::math::flow_grpo(0.5, 0.25, 0.7);
   CHECK(f.cx == Approx(1.0 - 0.49 * 0.25));

@@ -98,6 +98,40 @@ TEST_CASE("regex_format matches whole completions or anywhere", "[cpu][rewards]"
   CHECK_THROWS_WITH(regex_format({.pattern = "[a-"}), Catch::Contains("pattern") && Catch::Contains("[a-"));
 }
 
+TEST_CASE("regex rewards run RE2: long completions in linear time, patterns RE2 refuses are named", "[cpu][rewards]") {
+  // Before: std::regex recursed once per character and a completion of ~30 000 characters
+  // overflowed the stack (SIGSEGV). Hand values: only the first and third have the format.
+  const std::string digits(1000000, '7');
+  text_batch b{.completions = {"1+1=" + digits, std::string(300000, 'x'), "12+30=42", "1+1=" + digits + "x"}};
+  regex_format fmt{{.pattern = R"(\s*-?\d+\s*[-+*]\s*-?\d+\s*=\s*-?\d+\s*)"}};
+  const auto t0 = std::chrono::steady_clock::now();
+  CHECK(values(fmt(b)) == std::vector<float>{1, 0, 1, 0});
+  regex_format anywhere{{.pattern = R"(x$)", .full_match = false}};
+  CHECK(values(anywhere(b)) == std::vector<float>{0, 1, 0, 1});
+  // The last match of the extraction, far into a long text; numbers of a long text.
+  exact_answer last{{.extract = R"(=\s*(\d+))"}};
+  text_batch e{.completions = {std::string(200000, '=') + "= 5 then =" + std::string(100000, ' ') + "6"}, .references = {"6"}};
+  CHECK(values(last(e)) == std::vector<float>{1});
+  iou_reward iou;
+  text_batch boxes{.completions = {"[0, 0, 10, 10]" + std::string(200000, '1'), std::string(400, '9') + " 1 2 3",
+                                   "[0, 0, 5, 10] " + std::string(100000, '.')},
+                   .references = {"0 0 10 10", "0 0 10 10", "0 0 10 10"}};
+  // A number too large for a double makes no box: the completion gets `invalid` (0), not a NaN.
+  CHECK(values(iou(boxes)) == std::vector<float>{1, 0, 0.5f});
+  CHECK(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() < 10.0);
+
+  // RE2 has no backreferences or lookaround: refused, naming the option and the pattern.
+  CHECK_THROWS_AS(regex_format({.pattern = R"((a)\1)"}), unirl::config_error);
+  CHECK_THROWS_WITH(regex_format({.pattern = R"((a)\1)"}),
+                    Catch::Contains("pattern") && Catch::Contains(R"('(a)\1')") && Catch::Contains("backreferences"));
+  CHECK_THROWS_WITH(regex_format({.pattern = "(?=x)x"}), Catch::Contains("'(?=x)x'") && Catch::Contains("lookaround"));
+  CHECK_THROWS_WITH(exact_answer({.extract = R"((?<!-)\d+)"}), Catch::Contains("extract") && Catch::Contains(R"('(?<!-)\d+')"));
+  // UTF-8: '.' is one character.
+  regex_format three{{.pattern = "^.{3}$"}};
+  text_batch u{.completions = {"h\xc3\xa9!", "abcd"}};
+  CHECK(values(three(u)) == std::vector<float>{1, 0});
+}
+
 TEST_CASE("overlong_penalty follows DAPO's soft overlong formula", "[cpu][rewards]") {
   // L_max = 10, L_cache = 4: 0 up to 6; (6 - L) / 4 on (6, 10]; -1 beyond.
   overlong_penalty p{{.max_length = 10, .cache_length = 4}};

@@ -1,4 +1,4 @@
-// The shared loss maths (ALGORITHMS.md §1–2): every value below is worked by hand from the
+// The shared loss maths (docs/algorithms/ppo.md, docs/algorithms/grpo.md): every value below is worked by hand from the
 // formulas; gradients are checked against central finite differences in double precision.
 #include <cmath>
 #include <functional>

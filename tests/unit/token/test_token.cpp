@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
+#include <map>
 #include <memory>
 #include <fstream>
 #include <random>
@@ -11,6 +12,7 @@
 #include <tuple>
 #include <vector>
 
+#include <ATen/record_function.h>
 #include <catch2/catch.hpp>
 #include <torch/torch.h>
 
@@ -248,7 +250,8 @@ TEST_CASE("ppo (token track) through unirl::trainer raises the reward on an easy
   using algo_t = algo::ppo<>;
   trainer<models::gpt, algo_t, count_target> t{
       small_gpt(), count_target{},
-      {.algorithm = {.ent_coef = 0.0, .kl_coef = 0.05, .gamma = 1.0, .lambda = 0.95, .sampling = {.max_new_tokens = 6}},
+      {.algorithm = {.ent_coef = 0.0, .kl_coef = 0.05, .gamma = 1.0, .lambda = 0.95,
+                     .track = {.sampling = {.max_new_tokens = 6}}},
        .optim = {.lr = 3e-3},
        .group_size = 8,
        .minibatches = 2,
@@ -451,7 +454,7 @@ TEST_CASE("sequence packing: GRPO and PPO losses and gradients equal the padded 
     const algo::grpo_options o{.clip_low = 0.05, .clip_high = 0.08, .kl_coef = 0.1, .agg = agg, .ent_coef = 0.01,
                                .sampling = {.max_new_tokens = 12}};
     auto po = o;
-    po.pack_sequences = true;
+    po.layout = rollout::update_layout::packed;
     algo::grpo<> padded(o), packed(po);
     const auto tp = padded.loss(ms, b, info);
     const auto tk = packed.loss(ms, b, info);
@@ -471,9 +474,11 @@ TEST_CASE("sequence packing: GRPO and PPO losses and gradients equal the padded 
     c.values = algo::detail::completion_values(*ms.critic, c) * c.completion_mask;
     c.returns = (c.values + torch::randn_like(c.values)) * c.completion_mask;
   }
-  algo::ppo<> padded({.ent_coef = 0.01, .kl_coef = 0.1, .kl_in_reward = false, .sampling = {.max_new_tokens = 12}});
-  algo::ppo<> packed({.ent_coef = 0.01, .kl_coef = 0.1, .kl_in_reward = false, .sampling = {.max_new_tokens = 12},
-                      .pack_sequences = true});
+  using token_ppo = algo::ppo<>::for_track<token_track>;
+  token_ppo padded({.ent_coef = 0.01, .kl_coef = 0.1, .kl_in_reward = false,
+                    .track = {.sampling = {.max_new_tokens = 12}}});
+  token_ppo packed({.ent_coef = 0.01, .kl_coef = 0.1, .kl_in_reward = false,
+                    .track = {.sampling = {.max_new_tokens = 12}, .layout = rollout::update_layout::packed}});
   const auto tp = padded.loss(ms, c, info);
   const auto tk = packed.loss(ms, c, info);
   CHECK(tk.total.item<double>() == Approx(tp.total.item<double>()).margin(1e-6));
@@ -606,7 +611,8 @@ TEST_CASE("grpo: share_prompt and reuse_on_policy_logp give the plain path's tra
     trainer<counting_gpt, algo::grpo<>, count_target> t{
         m, count_target{},
         {.algorithm = {.clip_high = 0.28, .agg = algo::loss_agg::token_mean, .reuse_on_policy_logp = fast,
-                       .share_prompt = fast, .sampling = {.max_new_tokens = 5, .stop_tokens = {0}}},
+                       .layout = fast ? rollout::update_layout::shared_prompt : rollout::update_layout::padded,
+                       .sampling = {.max_new_tokens = 5, .stop_tokens = {0}}},
          .optim = {.lr = 3e-3},
          .group_size = 6,
          .minibatches = minibatches,
@@ -633,4 +639,132 @@ TEST_CASE("grpo: share_prompt and reuse_on_policy_logp give the plain path's tra
   const auto [ms, mw, mc] = run(true, 2);
   CHECK(mc.full_calls == 0);
   CHECK(ms[0].optimizer_steps == 2);
+}
+
+namespace {
+// Counts the calls of named LibTorch ops on this thread while alive (RecordFunction callbacks):
+// `aten::_local_scalar_dense` is every `.item()` — a host synchronisation on an accelerator.
+class op_counter {
+ public:
+  op_counter() {
+    handle_ = at::addThreadLocalCallback(at::RecordFunctionCallback(&op_counter::on_start).scopes({at::RecordScope::FUNCTION}));
+    current() = this;
+  }
+  ~op_counter() {
+    at::removeCallback(handle_);
+    current() = nullptr;
+  }
+  std::int64_t count(const std::string& op) const { return counts_.count(op) ? counts_.at(op) : 0; }
+
+ private:
+  static op_counter*& current() {
+    thread_local op_counter* c = nullptr;
+    return c;
+  }
+  static std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
+    if (auto* c = current()) ++c->counts_[fn.name()];
+    return nullptr;
+  }
+  at::CallbackHandle handle_{};
+  std::map<std::string, std::int64_t> counts_;
+};
+
+template <class Exec>
+step_stats grpo_step_with() {
+  torch::manual_seed(41);  // the model's initial weights
+  trainer<models::gpt, algo::grpo<Exec>, count_target> t{
+      small_gpt(), count_target{},
+      {.algorithm = {.clip_high = 0.28, .kl_coef = 0.05, .sampling = {.max_new_tokens = 6}}, .group_size = 4,
+       .minibatches = 2, .seed = 41, .progress = false}};
+  return t.step(prompt_batch{.tokens = {{2}, {3, 4}, {5}, {6, 7}}});
+}
+template <class Exec>
+step_stats ppo_step_with() {
+  torch::manual_seed(42);
+  trainer<models::gpt, algo::ppo<Exec>, count_target> t{
+      small_gpt(), count_target{},
+      {.algorithm = {.ent_coef = 0.01, .kl_coef = 0.05, .kl_in_reward = false,
+                     .track = {.sampling = {.max_new_tokens = 6}}},
+       .group_size = 4, .minibatches = 2, .seed = 42, .progress = false}};
+  return t.step(prompt_batch{.tokens = {{2}, {3, 4}, {5}, {6, 7}}});
+}
+}  // namespace
+
+TEST_CASE("exec::reference through a whole GRPO step and a whole PPO step gives the default's losses",
+          "[cpu][token][exec]") {
+  // The same seeds: the same samples; every op of the algorithm then runs its reference
+  // (log_softmax + gather for the token log-probs, the tensor recursion for GAE).
+  auto compare = [](const step_stats& def, const step_stats& ref) {
+    CHECK(ref.reward_mean == def.reward_mean);
+    CHECK(ref.optimizer_steps == 2);
+    CHECK(ref.loss == Approx(def.loss).margin(1e-6));
+    CHECK(ref.policy_loss == Approx(def.policy_loss).margin(1e-6));
+    CHECK(ref.value_loss == Approx(def.value_loss).margin(1e-6));
+    CHECK(ref.kl == Approx(def.kl).margin(1e-6));
+    CHECK(ref.entropy == Approx(def.entropy).margin(1e-6));
+    CHECK(ref.advantage_mean == Approx(def.advantage_mean).margin(1e-6));
+  };
+  std::int64_t def_softmax = 0, ref_softmax = 0;
+  step_stats def, ref;
+  {
+    op_counter c;
+    def = grpo_step_with<exec::automatic>();
+    def_softmax = c.count("aten::log_softmax");
+  }
+  {
+    op_counter c;
+    ref = grpo_step_with<exec::reference>();
+    ref_softmax = c.count("aten::log_softmax");
+  }
+  compare(def, ref);
+  CHECK(def.kl > 0.0);
+  // The policy reached the ops: the reference log-prob composes log_softmax, the fused CPU loop does not.
+  CHECK(ref_softmax > def_softmax);
+  {
+    op_counter c;
+    def = ppo_step_with<exec::automatic>();
+    def_softmax = c.count("aten::log_softmax");
+  }
+  {
+    op_counter c;
+    ref = ppo_step_with<exec::reference>();
+    ref_softmax = c.count("aten::log_softmax");
+  }
+  compare(def, ref);
+  CHECK(def.value_loss > 0.0);
+  CHECK(ref_softmax > def_softmax);
+}
+
+TEST_CASE("a GRPO step reads the device a bounded number of times: once per minibatch, twice per step",
+          "[cpu][token][sync]") {
+  // Host synchronisations = every `.item()` (aten::_local_scalar_dense, LibTorch's and ours) plus
+  // every whole-tensor read through unirl::to_host. Before the statistics became tensors these
+  // were 78 per step with 1 minibatch and 215 with 4 (same model, prompts and sampling).
+  const prompt_batch in{.tokens = {{2}, {3, 4}, {5}, {6, 7}}};
+  auto measure = [&](std::int64_t minibatches) {
+    torch::manual_seed(0);
+    trainer<models::gpt, algo::grpo<>, count_target> t{
+        small_gpt(), count_target{},
+        {.algorithm = {.sampling = {.max_new_tokens = 6}}, .group_size = 8, .minibatches = minibatches,
+         .progress = false}};
+    t.step(in);  // warm-up
+    op_counter c;
+    const auto reads_before = host_reads();
+    const auto s = t.step(in);
+    REQUIRE(s.optimizer_steps == minibatches);
+    return std::pair{c.count("aten::_local_scalar_dense"), host_reads() - reads_before};
+  };
+  const auto [items1, reads1] = measure(1);
+  const auto [items4, reads4] = measure(4);
+  WARN("host synchronisations per GRPO step: " << items1 + reads1 << " with 1 minibatch (" << items1
+                                               << " .item(), " << reads1 << " to_host), " << items4 + reads4
+                                               << " with 4 (" << items4 << " .item(), " << reads4 << " to_host)");
+  // The trainer's own reads: the rewards, one per minibatch (the found-non-finite flag with the
+  // loss and the gradient norm), the statistics.
+  CHECK(reads1 == 2 + 1);
+  CHECK(reads4 == 2 + 4);
+  // What is left is the sampler's stop test per decoded token and the batch's dynamic padding
+  // per minibatch (a handful of reads each), not a read per statistic, parameter or check.
+  CHECK(items1 + reads1 <= 30);
+  CHECK(items4 + reads4 <= 50);
 }

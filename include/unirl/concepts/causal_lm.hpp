@@ -1,0 +1,74 @@
+#pragma once
+/// \file causal_lm.hpp
+/// Language models of the token track: `CausalLM` and its refinements (sequence packing, prefix
+/// sharing), and the value models PPO trains next to them (`TokenCritic`).
+///
+/// ```cpp
+/// static_assert(unirl::CausalLM<unirl::models::gpt>);
+/// template <unirl::CausalLM M> void greedy(const M& m, const torch::Tensor& ids);
+/// ```
+/// The log-probability helpers over these models live in `rollout/token_logprob.hpp`, sequence
+/// packing and prompt de-duplication in `rollout/packing.hpp`.
+#include <concepts>
+#include <cstdint>
+
+#include <torch/torch.h>
+
+#include <unirl/concepts/model.hpp>
+#include <unirl/concepts/track.hpp>
+
+namespace unirl {
+
+/// A causal language model adapter of the token track.
+///
+/// Minimal complete definition (besides `ModelAdapter` with `track = token_track`):
+/// - `torch::Tensor logits(const torch::Tensor& ids, const torch::Tensor& mask) const` — ids (B, L)
+///   int64, mask (B, L) float (1 = real token; padding may sit anywhere, positions count real
+///   tokens only); returns (B, L, V) next-token logits;
+/// - `typename M::cache_type` and `cache_type make_cache(std::int64_t batch, std::int64_t capacity) const`;
+/// - `torch::Tensor logits_cached(const torch::Tensor& ids, const torch::Tensor& mask, cache_type& cache) const`
+///   — the next n tokens (B, n) with their mask (B, n), appended to the cache; returns (B, n, V)
+///   equal to the corresponding rows of `logits` over the whole sequence so far;
+/// - `std::int64_t vocab_size() const`.
+template <class M>
+concept CausalLM = ModelAdapter<M> && std::same_as<typename M::track, token_track> &&
+    requires(const M& m, const torch::Tensor& t, typename M::cache_type& c, std::int64_t n) {
+      { m.logits(t, t) } -> std::same_as<torch::Tensor>;
+      { m.make_cache(n, n) } -> std::same_as<typename M::cache_type>;
+      { m.logits_cached(t, t, c) } -> std::same_as<torch::Tensor>;
+      { m.vocab_size() } -> std::convertible_to<std::int64_t>;
+    };
+
+/// A `CausalLM` that can run sequence packing (`pack_sequences`): several sequences concatenated
+/// into each row without padding. `logits_packed(ids, positions, segments)` takes (R, N) int64
+/// each — positions restart at 0 for every sequence, equal segment ids mark one sequence, and a
+/// token attends only to its own segment at or before it — and returns (R, N, V) equal to each
+/// sequence's logits computed alone.
+template <class M>
+concept PackedCausalLM = CausalLM<M> && requires(const M& m, const torch::Tensor& t) {
+  { m.logits_packed(t, t, t) } -> std::same_as<torch::Tensor>;
+};
+
+/// A `CausalLM` whose cache rows can be selected (prefix sharing): `select_cache(cache, index)`
+/// returns a cache whose row i is row `index[i]` ((n,) int64) of `cache`, differentiably. The
+/// sampler then prefills each distinct prompt once for its whole group, and the update forward
+/// (`share_prompt`) runs each distinct prompt once and lets every completion attend to it.
+template <class M>
+concept PrefixSharingCausalLM = CausalLM<M> &&
+    requires(const M& m, const typename M::cache_type& c, const torch::Tensor& index) {
+      { m.select_cache(c, index) } -> std::same_as<typename M::cache_type>;
+    };
+
+/// A value model for PPO on the token track: `values(ids, mask)` gives (B, L), V of each prefix.
+template <class C>
+concept TokenCritic = TrainableModule<C> && requires(const C& c, const torch::Tensor& t) {
+  { c.values(t, t) } -> std::same_as<torch::Tensor>;
+};
+
+/// A `TokenCritic` that can run packed sequences: `values_packed(ids, positions, segments)` (R, N).
+template <class C>
+concept PackedTokenCritic = TokenCritic<C> && requires(const C& c, const torch::Tensor& t) {
+  { c.values_packed(t, t, t) } -> std::same_as<torch::Tensor>;
+};
+
+}  // namespace unirl

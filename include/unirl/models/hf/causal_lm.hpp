@@ -1,0 +1,622 @@
+#pragma once
+/// \file causal_lm.hpp
+/// Hugging Face decoder architectures as one `CausalLM` adapter: `hf::causal_lm` holds either
+/// the Llama-family stack (LlamaForCausalLM; Qwen2ForCausalLM with q/k/v biases;
+/// Qwen3ForCausalLM with per-head q_norm / k_norm and an explicit head_dim) or the GPT-2 stack
+/// (GPT2LMHeadModel: learned positions, LayerNorm, Conv1D weights stored (in, out), gelu_new),
+/// so one trainer type trains any of them. Parameter names are Hugging Face's own
+/// (`model.layers.0.self_attn.q_proj.weight`, `transformer.h.0.attn.c_attn.weight`, `lm_head.weight`),
+/// so `named_parameters()` maps 1:1 onto a checkpoint (`hf/pretrained.hpp` loads and saves them).
+///
+/// ```cpp
+/// auto lm = unirl::models::hf::from_pretrained("Qwen2.5-0.5B");      // hf/pretrained.hpp
+/// auto logits = lm.logits(ids, mask);                                  // (B, L, V)
+/// auto cache = lm.make_cache(B, 64);                                   // keys/values of the KV heads only
+/// auto next = lm.logits_cached(ids, mask, cache);                      // same logits, incrementally
+/// unirl::trainer<unirl::models::hf::causal_lm, unirl::algo::grpo<>, my_reward> t{lm, reward, {}};
+/// ```
+/// Numerics follow Hugging Face's eager forward: RMSNorm in float32 (`x.to(float32)`, variance,
+/// rsqrt, `weight * x.to(input dtype)`), RoPE in the rotate_half form with cos/sin computed in
+/// float32, grouped-query attention by repeating each KV head over its query heads, SwiGLU,
+/// gelu_new. Positions count real tokens (the mask's cumsum), so padding may sit anywhere.
+/// Dropout is not applied (train and eval forwards are the same).
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <numbers>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include <unirl/core/error.hpp>
+#include <unirl/models/causal_lm.hpp>
+#include <unirl/models/gpt.hpp>
+#include <unirl/models/hf/config.hpp>
+#include <unirl/models/module_adapter.hpp>
+#include <unirl/ops/attention.hpp>
+#include <unirl/rollout/token.hpp>
+
+namespace unirl::models::hf {
+
+namespace detail {
+
+/// RMSNorm as Hugging Face computes it: float32 statistics, then `weight * x.to(input dtype)`.
+inline torch::Tensor rms_normalize(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+  const auto h = x.to(torch::kFloat);
+  const auto variance = h.pow(2).mean(-1, /*keepdim=*/true);
+  return weight * (h * torch::rsqrt(variance + eps)).to(x.scalar_type());
+}
+
+/// (x1, x2) -> (-x2, x1) over the last dimension's halves.
+inline torch::Tensor rotate_half(const torch::Tensor& x) {
+  const auto half = x.size(-1) / 2;
+  return torch::cat({-x.slice(-1, half), x.slice(-1, 0, half)}, -1);
+}
+
+/// cos and sin (B, n, head_dim) of positions (B, n) int64, computed in float32, cast to `dtype`.
+inline std::pair<torch::Tensor, torch::Tensor> rope_cos_sin(const torch::Tensor& positions, std::int64_t head_dim,
+                                                            double theta, torch::ScalarType dtype) {
+  const auto fopts = torch::TensorOptions(torch::kFloat).device(positions.device());
+  const auto exponent = torch::arange(0, head_dim, 2, fopts.dtype(torch::kInt64)).to(torch::kFloat) /
+                        static_cast<double>(head_dim);
+  const auto inv_freq = 1.0 / torch::pow(theta, exponent);                              // (D/2,)
+  const auto freqs = positions.to(torch::kFloat).unsqueeze(-1) * inv_freq.view({1, 1, -1});  // (B, n, D/2)
+  const auto emb = torch::cat({freqs, freqs}, -1);
+  return {emb.cos().to(dtype), emb.sin().to(dtype)};
+}
+
+/// GPT-2's gelu_new: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
+inline torch::Tensor gelu_new(const torch::Tensor& x) {
+  return 0.5 * x * (1.0 + torch::tanh(std::sqrt(2.0 / std::numbers::pi) * (x + 0.044715 * torch::pow(x, 3.0))));
+}
+
+/// softmax(q k^T * scale + bias) v. Float and double run `ops::attention` (the fused CPU kernel
+/// where it is faster); half and bfloat16 follow Hugging Face's eager order (scores in the
+/// weights' dtype, softmax in float32, probabilities cast back).
+inline torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                            const torch::Tensor& bias, double scale) {
+  if (q.scalar_type() == torch::kFloat || q.scalar_type() == torch::kDouble)
+    return ops::attention(q, k, v, bias.defined() ? bias.to(q.scalar_type()) : bias, scale);
+  auto s = torch::matmul(q, k.transpose(-2, -1)) * scale;
+  if (bias.defined()) s = s + bias.to(s.scalar_type());
+  return torch::matmul(torch::softmax(s, -1, torch::kFloat).to(q.scalar_type()), v);
+}
+
+/// (B, H_kv, S, D) -> (B, H_kv * groups, S, D): query head h reads KV head h / groups.
+inline torch::Tensor repeat_kv(const torch::Tensor& x, std::int64_t groups) {
+  if (groups == 1) return x;
+  const auto B = x.size(0), H = x.size(1), S = x.size(2), D = x.size(3);
+  return x.unsqueeze(2).expand({B, H, groups, S, D}).reshape({B, H * groups, S, D});
+}
+
+/// (B, 1, n, S) additive mask for queries at slots [start, start+n) over keys [0, S): a query
+/// sees real keys at or before it, and always itself (a padding row never softmaxes over nothing).
+inline torch::Tensor attention_bias(const torch::Tensor& key_mask, std::int64_t start, std::int64_t n) {
+  const auto dev = key_mask.device();
+  const auto S = key_mask.size(1);
+  const auto qi = torch::arange(start, start + n, torch::TensorOptions(torch::kInt64).device(dev)).unsqueeze(1);
+  const auto kj = torch::arange(S, torch::TensorOptions(torch::kInt64).device(dev)).unsqueeze(0);
+  const auto allowed = (((kj <= qi).unsqueeze(0) & key_mask.unsqueeze(1)) | (kj == qi).unsqueeze(0));  // (B, n, S)
+  return torch::zeros(allowed.sizes(), torch::TensorOptions(torch::kFloat).device(dev))
+      .masked_fill(allowed.logical_not(), -std::numeric_limits<float>::infinity())
+      .unsqueeze(1);
+}
+
+/// (R, 1, N, N) block-diagonal causal mask of packed sequences.
+inline torch::Tensor packed_bias(const torch::Tensor& segments) {
+  const auto dev = segments.device();
+  const auto N = segments.size(1);
+  const auto idx = torch::arange(N, torch::TensorOptions(torch::kInt64).device(dev));
+  const auto causal = (idx.unsqueeze(0) <= idx.unsqueeze(1)).unsqueeze(0);
+  const auto seg = segments.to(torch::kInt64);
+  const auto allowed = causal & (seg.unsqueeze(2) == seg.unsqueeze(1));
+  return torch::zeros(allowed.sizes(), torch::TensorOptions(torch::kFloat).device(dev))
+      .masked_fill(allowed.logical_not(), -std::numeric_limits<float>::infinity())
+      .unsqueeze(1);
+}
+
+/// Where one layer's keys and values go: none (a full forward), or slots [start, start+n) of a cache.
+struct kv_slot {
+  torch::Tensor* k = nullptr;
+  torch::Tensor* v = nullptr;
+  std::int64_t start = 0;
+
+  /// Writes this chunk's (B, H_kv, n, D) keys and values and returns all of them so far.
+  std::pair<torch::Tensor, torch::Tensor> update(const torch::Tensor& key, const torch::Tensor& value) const {
+    if (!k) return {key, value};
+    const auto n = key.size(2);
+    k->slice(2, start, start + n).copy_(key);
+    v->slice(2, start, start + n).copy_(value);
+    return {k->slice(2, 0, start + n), v->slice(2, 0, start + n)};
+  }
+};
+
+/// RMSNorm module (`weight`), Hugging Face's LlamaRMSNorm.
+class rms_norm_impl : public torch::nn::Cloneable<rms_norm_impl> {
+ public:
+  rms_norm_impl(std::int64_t dim, double eps) : dim_(dim), eps_(eps) { reset(); }
+  void reset() override { weight = register_parameter("weight", torch::ones({dim_})); }
+  torch::Tensor forward(const torch::Tensor& x) { return rms_normalize(x, weight, eps_); }
+  torch::Tensor weight;
+
+ private:
+  std::int64_t dim_;
+  double eps_;
+};
+TORCH_MODULE_IMPL(rms_norm, rms_norm_impl);
+
+/// GPT-2's Conv1D: a linear layer whose `weight` is stored (in, out), `bias` (out).
+class conv1d_impl : public torch::nn::Cloneable<conv1d_impl> {
+ public:
+  conv1d_impl(std::int64_t in, std::int64_t out) : in_(in), out_(out) { reset(); }
+  void reset() override {
+    weight = register_parameter("weight", torch::empty({in_, out_}).normal_(0.0, 0.02));
+    bias = register_parameter("bias", torch::zeros({out_}));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    auto sizes = x.sizes().vec();
+    sizes.back() = out_;
+    return torch::addmm(bias, x.reshape({-1, in_}), weight).view(sizes);
+  }
+  torch::Tensor weight, bias;
+
+ private:
+  std::int64_t in_, out_;
+};
+TORCH_MODULE_IMPL(conv1d, conv1d_impl);
+
+inline torch::nn::Linear make_linear(std::int64_t in, std::int64_t out, bool bias) {
+  return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(bias));
+}
+
+// ----------------------------------------------------------------------------------------------
+// Llama / Qwen2 / Qwen3
+
+/// `self_attn`: q_proj, k_proj, v_proj, o_proj (+ q_norm, k_norm for Qwen3).
+class llama_attention_impl : public torch::nn::Cloneable<llama_attention_impl> {
+ public:
+  explicit llama_attention_impl(const decoder_config& c)
+      : hidden_(c.hidden_size), heads_(c.num_attention_heads), kv_heads_(c.kv_heads()), dim_(c.head_size()),
+        eps_(c.norm_eps), qkv_bias_(c.qkv_bias()), o_bias_(c.o_bias()),
+        qk_norm_(c.arch == architecture::qwen3) {
+    reset();
+  }
+  void reset() override {
+    q_proj = register_module("q_proj", make_linear(hidden_, heads_ * dim_, qkv_bias_));
+    k_proj = register_module("k_proj", make_linear(hidden_, kv_heads_ * dim_, qkv_bias_));
+    v_proj = register_module("v_proj", make_linear(hidden_, kv_heads_ * dim_, qkv_bias_));
+    o_proj = register_module("o_proj", make_linear(heads_ * dim_, hidden_, o_bias_));
+    if (qk_norm_) {
+      q_norm = register_module("q_norm", rms_norm(dim_, eps_));
+      k_norm = register_module("k_norm", rms_norm(dim_, eps_));
+    }
+  }
+  /// x (B, n, hidden); cos / sin (B, n, D); bias (B|R, 1, n, S) -> (B, n, hidden).
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+                        const torch::Tensor& bias, const kv_slot& slot) {
+    const auto B = x.size(0), n = x.size(1);
+    auto q = q_proj(x).view({B, n, heads_, dim_});
+    auto k = k_proj(x).view({B, n, kv_heads_, dim_});
+    auto v = v_proj(x).view({B, n, kv_heads_, dim_}).transpose(1, 2);
+    if (qk_norm_) {
+      q = q_norm(q);
+      k = k_norm(k);
+    }
+    q = q.transpose(1, 2);
+    k = k.transpose(1, 2);
+    const auto c = cos.unsqueeze(1), s = sin.unsqueeze(1);
+    q = q * c + rotate_half(q) * s;
+    k = k * c + rotate_half(k) * s;
+    auto [k_all, v_all] = slot.update(k, v);
+    const auto groups = heads_ / kv_heads_;
+    const auto y = attend(q, repeat_kv(k_all, groups), repeat_kv(v_all, groups), bias,
+                          1.0 / std::sqrt(static_cast<double>(dim_)));
+    return o_proj(y.transpose(1, 2).reshape({B, n, heads_ * dim_}));
+  }
+  torch::nn::Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
+  rms_norm q_norm{nullptr}, k_norm{nullptr};
+
+ private:
+  std::int64_t hidden_, heads_, kv_heads_, dim_;
+  double eps_;
+  bool qkv_bias_, o_bias_, qk_norm_;
+};
+TORCH_MODULE_IMPL(llama_attention, llama_attention_impl);
+
+/// `mlp`: down_proj(silu(gate_proj(x)) * up_proj(x)).
+class llama_mlp_impl : public torch::nn::Cloneable<llama_mlp_impl> {
+ public:
+  explicit llama_mlp_impl(const decoder_config& c)
+      : hidden_(c.hidden_size), inter_(c.intermediate_size), bias_(c.mlp_biases()) {
+    reset();
+  }
+  void reset() override {
+    gate_proj = register_module("gate_proj", make_linear(hidden_, inter_, bias_));
+    up_proj = register_module("up_proj", make_linear(hidden_, inter_, bias_));
+    down_proj = register_module("down_proj", make_linear(inter_, hidden_, bias_));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return down_proj(torch::silu(gate_proj(x)) * up_proj(x)); }
+  torch::nn::Linear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
+
+ private:
+  std::int64_t hidden_, inter_;
+  bool bias_;
+};
+TORCH_MODULE_IMPL(llama_mlp, llama_mlp_impl);
+
+/// `model.layers.i`: pre-norm attention and SwiGLU MLP with residuals.
+class llama_layer_impl : public torch::nn::Cloneable<llama_layer_impl> {
+ public:
+  explicit llama_layer_impl(decoder_config c) : c_(std::move(c)) { reset(); }
+  void reset() override {
+    self_attn = register_module("self_attn", llama_attention(c_));
+    mlp = register_module("mlp", llama_mlp(c_));
+    input_layernorm = register_module("input_layernorm", rms_norm(c_.hidden_size, c_.norm_eps));
+    post_attention_layernorm = register_module("post_attention_layernorm", rms_norm(c_.hidden_size, c_.norm_eps));
+  }
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+                        const torch::Tensor& bias, const kv_slot& slot) {
+    const auto h = x + self_attn->forward(input_layernorm(x), cos, sin, bias, slot);
+    return h + mlp(post_attention_layernorm(h));
+  }
+  llama_attention self_attn{nullptr};
+  llama_mlp mlp{nullptr};
+  rms_norm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
+
+ private:
+  decoder_config c_;
+};
+TORCH_MODULE_IMPL(llama_layer, llama_layer_impl);
+
+/// `model`: embed_tokens, layers, norm.
+class llama_model_impl : public torch::nn::Cloneable<llama_model_impl> {
+ public:
+  explicit llama_model_impl(decoder_config c) : c_(std::move(c)) { reset(); }
+  void reset() override {
+    auto eo = torch::nn::EmbeddingOptions(c_.vocab_size, c_.hidden_size);
+    if (c_.pad_token_id) eo.padding_idx(*c_.pad_token_id);  // as Hugging Face: no gradient to the pad row
+    embed_tokens = register_module("embed_tokens", torch::nn::Embedding(eo));
+    layers = register_module("layers", torch::nn::ModuleList());
+    for (std::int64_t i = 0; i < c_.num_hidden_layers; ++i) layers->push_back(llama_layer(c_));
+    norm = register_module("norm", rms_norm(c_.hidden_size, c_.norm_eps));
+  }
+  /// ids (B, n), positions (B, n), bias (B, 1, n, S) -> final hidden states (B, n, hidden).
+  torch::Tensor forward(const torch::Tensor& ids, const torch::Tensor& positions, const torch::Tensor& bias,
+                        kv_cache* cache, std::int64_t start) {
+    auto x = embed_tokens(ids);
+    const auto [cos, sin] = rope_cos_sin(positions, c_.head_size(), c_.rope_theta, x.scalar_type());
+    std::size_t l = 0;
+    for (const auto& layer : *layers) {
+      const kv_slot slot = cache ? kv_slot{&cache->k[l], &cache->v[l], start} : kv_slot{};
+      x = layer->as<llama_layer_impl>()->forward(x, cos, sin, bias, slot);
+      ++l;
+    }
+    return norm(x);
+  }
+  torch::nn::Embedding embed_tokens{nullptr};
+  torch::nn::ModuleList layers{nullptr};
+  rms_norm norm{nullptr};
+
+ private:
+  decoder_config c_;
+};
+TORCH_MODULE_IMPL(llama_model, llama_model_impl);
+
+// ----------------------------------------------------------------------------------------------
+// GPT-2
+
+/// `attn`: c_attn (fused q, k, v), c_proj.
+class gpt2_attention_impl : public torch::nn::Cloneable<gpt2_attention_impl> {
+ public:
+  gpt2_attention_impl(std::int64_t embd, std::int64_t heads) : embd_(embd), heads_(heads) { reset(); }
+  void reset() override {
+    c_attn = register_module("c_attn", conv1d(embd_, 3 * embd_));
+    c_proj = register_module("c_proj", conv1d(embd_, embd_));
+  }
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& bias, const kv_slot& slot) {
+    const auto B = x.size(0), n = x.size(1), D = embd_ / heads_;
+    const auto qkv = c_attn(x).split(embd_, 2);
+    const auto q = qkv[0].view({B, n, heads_, D}).transpose(1, 2);
+    auto [k, v] = slot.update(qkv[1].view({B, n, heads_, D}).transpose(1, 2), qkv[2].view({B, n, heads_, D}).transpose(1, 2));
+    const auto y = attend(q, k, v, bias, 1.0 / std::sqrt(static_cast<double>(D)));
+    return c_proj(y.transpose(1, 2).reshape({B, n, embd_}));
+  }
+  conv1d c_attn{nullptr}, c_proj{nullptr};
+
+ private:
+  std::int64_t embd_, heads_;
+};
+TORCH_MODULE_IMPL(gpt2_attention, gpt2_attention_impl);
+
+/// `mlp`: c_proj(act(c_fc(x))).
+class gpt2_mlp_impl : public torch::nn::Cloneable<gpt2_mlp_impl> {
+ public:
+  gpt2_mlp_impl(std::int64_t embd, std::int64_t inner, std::string act) : embd_(embd), inner_(inner), act_(std::move(act)) {
+    reset();
+  }
+  void reset() override {
+    c_fc = register_module("c_fc", conv1d(embd_, inner_));
+    c_proj = register_module("c_proj", conv1d(inner_, embd_));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    const auto h = c_fc(x);
+    const auto a = act_ == "gelu_new" ? gelu_new(h) : act_ == "gelu_pytorch_tanh" ? torch::gelu(h, "tanh") : torch::gelu(h);
+    return c_proj(a);
+  }
+  conv1d c_fc{nullptr}, c_proj{nullptr};
+
+ private:
+  std::int64_t embd_, inner_;
+  std::string act_;
+};
+TORCH_MODULE_IMPL(gpt2_mlp, gpt2_mlp_impl);
+
+/// `transformer.h.i`: ln_1, attn, ln_2, mlp.
+class gpt2_block_impl : public torch::nn::Cloneable<gpt2_block_impl> {
+ public:
+  explicit gpt2_block_impl(decoder_config c) : c_(std::move(c)) { reset(); }
+  void reset() override {
+    const auto ln = torch::nn::LayerNormOptions({c_.hidden_size}).eps(c_.norm_eps);
+    ln_1 = register_module("ln_1", torch::nn::LayerNorm(ln));
+    attn = register_module("attn", gpt2_attention(c_.hidden_size, c_.num_attention_heads));
+    ln_2 = register_module("ln_2", torch::nn::LayerNorm(ln));
+    mlp = register_module("mlp", gpt2_mlp(c_.hidden_size, c_.intermediate_size, c_.hidden_act));
+  }
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& bias, const kv_slot& slot) {
+    const auto h = x + attn->forward(ln_1(x), bias, slot);
+    return h + mlp(ln_2(h));
+  }
+  torch::nn::LayerNorm ln_1{nullptr}, ln_2{nullptr};
+  gpt2_attention attn{nullptr};
+  gpt2_mlp mlp{nullptr};
+
+ private:
+  decoder_config c_;
+};
+TORCH_MODULE_IMPL(gpt2_block, gpt2_block_impl);
+
+/// `transformer`: wte, wpe, h, ln_f.
+class gpt2_model_impl : public torch::nn::Cloneable<gpt2_model_impl> {
+ public:
+  explicit gpt2_model_impl(decoder_config c) : c_(std::move(c)) { reset(); }
+  void reset() override {
+    wte = register_module("wte", torch::nn::Embedding(c_.vocab_size, c_.hidden_size));
+    wpe = register_module("wpe", torch::nn::Embedding(c_.max_position_embeddings, c_.hidden_size));
+    h = register_module("h", torch::nn::ModuleList());
+    for (std::int64_t i = 0; i < c_.num_hidden_layers; ++i) h->push_back(gpt2_block(c_));
+    ln_f = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c_.hidden_size}).eps(c_.norm_eps)));
+  }
+  torch::Tensor forward(const torch::Tensor& ids, const torch::Tensor& positions, const torch::Tensor& bias,
+                        kv_cache* cache, std::int64_t start) {
+    auto x = wte(ids) + wpe(positions);
+    std::size_t l = 0;
+    for (const auto& block : *h) {
+      const kv_slot slot = cache ? kv_slot{&cache->k[l], &cache->v[l], start} : kv_slot{};
+      x = block->as<gpt2_block_impl>()->forward(x, bias, slot);
+      ++l;
+    }
+    return ln_f(x);
+  }
+  torch::nn::Embedding wte{nullptr}, wpe{nullptr};
+  torch::nn::ModuleList h{nullptr};
+  torch::nn::LayerNorm ln_f{nullptr};
+
+ private:
+  decoder_config c_;
+};
+TORCH_MODULE_IMPL(gpt2_model, gpt2_model_impl);
+
+}  // namespace detail
+
+/// The network of `causal_lm`: `model` (Llama family) or `transformer` (GPT-2), then `lm_head`
+/// (absent when tied: the token embedding is the head) — or, for a critic (`out_dim` 1), a
+/// value head `score` (weight and bias) in its place.
+class decoder_net_impl : public torch::nn::Cloneable<decoder_net_impl> {
+ public:
+  explicit decoder_net_impl(decoder_config c, std::int64_t out_dim = 0) : c_(std::move(c)), out_dim_(out_dim) {
+    c_.validate();
+    UNIRL_CHECK(out_dim_ >= 0, "hf::decoder_net: out_dim = ", out_dim_, ": expected 0 (logits) or >= 1 (value head)");
+    reset();
+  }
+
+  void reset() override {
+    if (c_.is_gpt2()) transformer = register_module("transformer", detail::gpt2_model(c_));
+    else model = register_module("model", detail::llama_model(c_));
+    if (out_dim_ > 0) score = register_module("score", torch::nn::Linear(c_.hidden_size, out_dim_));
+    else if (!c_.tie_word_embeddings)
+      lm_head = register_module("lm_head", detail::make_linear(c_.hidden_size, c_.vocab_size, false));
+    // Hugging Face's initialisation: N(0, initializer_range) weights, zero biases, unit norms,
+    // GPT-2's residual projections scaled by 1/sqrt(2 n_layer).
+    torch::NoGradGuard ng;
+    const double std = c_.initializer_range;
+    for (auto& p : named_parameters()) {
+      const auto& name = p.key();
+      if (name.find("norm") != std::string::npos || name.find(".ln_") != std::string::npos) continue;
+      if (name.ends_with(".bias")) p.value().zero_();
+      else if (c_.is_gpt2() && name.ends_with("c_proj.weight"))
+        p.value().normal_(0.0, std / std::sqrt(2.0 * static_cast<double>(c_.num_hidden_layers)));
+      else p.value().normal_(0.0, std);
+    }
+    if (!c_.is_gpt2() && c_.pad_token_id) model->embed_tokens->weight[*c_.pad_token_id].zero_();
+  }
+
+  const decoder_config& config() const { return c_; }
+  std::int64_t out_dim() const { return out_dim_; }
+
+  /// The token embedding (B, n) -> (B, n, hidden) table: `model.embed_tokens` or `transformer.wte`.
+  const torch::Tensor& embedding_weight() const {
+    return c_.is_gpt2() ? transformer->wte->weight : model->embed_tokens->weight;
+  }
+
+  /// Backbone and head on given positions and mask: ids (B, n) -> (B, n, out).
+  torch::Tensor run(const torch::Tensor& ids, const torch::Tensor& positions, const torch::Tensor& bias,
+                    kv_cache* cache, std::int64_t start) {
+    const auto h = c_.is_gpt2() ? transformer->forward(ids, positions, bias, cache, start)
+                                : model->forward(ids, positions, bias, cache, start);
+    if (out_dim_ > 0) return score(h);
+    return c_.tie_word_embeddings ? torch::linear(h, embedding_weight()) : lm_head(h);
+  }
+
+  /// Full forward: ids (B, L) int64, mask (B, L) (1 = real token) -> (B, L, out).
+  torch::Tensor forward(const torch::Tensor& ids, const torch::Tensor& mask) {
+    check_inputs(ids, mask);
+    const auto m = mask.to(torch::kFloat);
+    const auto positions = (m.cumsum(1) - 1.0).clamp_min(0.0).to(torch::kInt64);
+    check_positions(positions);
+    return run(ids, positions, detail::attention_bias(m.to(torch::kBool), 0, ids.size(1)), nullptr, 0);
+  }
+
+  /// Packed forward: ids, positions (restarting at 0 for every sequence), segments (R, N) int64
+  /// -> (R, N, out); a token attends only to its own segment at or before it.
+  torch::Tensor forward_packed(const torch::Tensor& ids, const torch::Tensor& positions, const torch::Tensor& segments) {
+    UNIRL_CHECK(ids.dim() == 2, "hf::causal_lm: packed ids must be (R, N) int64, got sizes ", ids.sizes());
+    UNIRL_CHECK(positions.sizes() == ids.sizes() && segments.sizes() == ids.sizes(), "hf::causal_lm: packed positions ",
+                positions.sizes(), " and segments ", segments.sizes(), " must have the sizes of ids ", ids.sizes());
+    check_ids(ids);
+    const auto pos = positions.to(torch::kInt64);
+    UNIRL_CHECK(pos.numel() == 0 || pos.min().item<std::int64_t>() >= 0, "hf::causal_lm: packed positions must be >= 0");
+    check_positions(pos);
+    return run(ids, pos, detail::packed_bias(segments), nullptr, 0);
+  }
+
+  /// An empty cache for `batch` sequences of up to `capacity` tokens: per layer (B, H_kv, capacity, D).
+  kv_cache make_cache(std::int64_t batch, std::int64_t capacity) const {
+    UNIRL_CHECK(batch >= 0 && capacity >= 1, "hf::causal_lm::make_cache: batch = ", batch, ", capacity = ", capacity,
+                ": expected batch >= 0 and capacity >= 1");
+    const auto opts = embedding_weight().options().requires_grad(false);
+    const auto kv_heads = c_.kv_heads(), dim = c_.head_size();
+    kv_cache c;
+    for (std::int64_t i = 0; i < c_.num_hidden_layers; ++i) {
+      c.k.push_back(torch::zeros({batch, kv_heads, capacity, dim}, opts));
+      c.v.push_back(torch::zeros({batch, kv_heads, capacity, dim}, opts));
+    }
+    c.mask = torch::zeros({batch, capacity}, opts.dtype(torch::kFloat));
+    c.count = torch::zeros({batch}, opts.dtype(torch::kInt64));
+    c.capacity = capacity;
+    return c;
+  }
+
+  /// Incremental forward of the next n tokens: ids (B, n), mask (B, n) -> (B, n, out).
+  torch::Tensor forward_cached(const torch::Tensor& ids, const torch::Tensor& mask, kv_cache& c) {
+    check_inputs(ids, mask);
+    const auto n = ids.size(1), start = c.length;
+    UNIRL_CHECK(static_cast<std::int64_t>(c.k.size()) == c_.num_hidden_layers && c.mask.defined() &&
+                    c.mask.size(0) == ids.size(0),
+                "hf::causal_lm: the KV cache was not made by this model for a batch of ", ids.size(0));
+    UNIRL_CHECK(start + n <= c.capacity, "hf::causal_lm: the KV cache holds ", c.capacity, " tokens; ", start + n,
+                " needed");
+    const auto m = mask.to(torch::kFloat);
+    c.mask.slice(1, start, start + n).copy_(m);
+    const auto positions =
+        (c.count.unsqueeze(1).to(torch::kFloat) + m.cumsum(1) - 1.0).clamp_min(0.0).to(torch::kInt64);
+    check_positions(positions);
+    c.count += m.sum(1).to(torch::kInt64);
+    const auto bias = detail::attention_bias(c.mask.slice(1, 0, start + n).to(torch::kBool), start, n);
+    auto out = run(ids, positions, bias, &c, start);
+    c.length = start + n;
+    return out;
+  }
+
+  detail::llama_model model{nullptr};
+  detail::gpt2_model transformer{nullptr};
+  torch::nn::Linear lm_head{nullptr}, score{nullptr};
+
+ private:
+  void check_ids(const torch::Tensor& ids) const {
+    UNIRL_CHECK(ids.scalar_type() == torch::kInt64 || ids.scalar_type() == torch::kInt32,
+                "hf::causal_lm: ids must be integers, got ", ids.scalar_type());
+    if (ids.numel() == 0) return;
+    const auto lo = ids.min().item<std::int64_t>(), hi = ids.max().item<std::int64_t>();
+    UNIRL_CHECK(lo >= 0 && hi < c_.vocab_size, "hf::causal_lm: token id ", lo < 0 ? lo : hi,
+                " is outside [0, vocab_size = ", c_.vocab_size, ")");
+  }
+  void check_inputs(const torch::Tensor& ids, const torch::Tensor& mask) const {
+    UNIRL_CHECK(ids.dim() == 2, "hf::causal_lm: ids must be (B, L) int64, got sizes ", ids.sizes());
+    UNIRL_CHECK(mask.sizes() == ids.sizes(), "hf::causal_lm: mask sizes ", mask.sizes(), " differ from ids sizes ",
+                ids.sizes());
+    check_ids(ids);
+  }
+  // GPT-2's learned position table ends at n_positions; RoPE has no table (max_length() still
+  // reports max_position_embeddings, the length the model was trained for).
+  void check_positions(const torch::Tensor& positions) const {
+    if (!c_.is_gpt2() || positions.numel() == 0) return;
+    const auto hi = positions.max().item<std::int64_t>();
+    UNIRL_CHECK(hi < c_.max_position_embeddings, "hf::causal_lm: position ", hi, " is past GPT-2's n_positions = ",
+                c_.max_position_embeddings);
+  }
+
+  decoder_config c_;
+  std::int64_t out_dim_;
+};
+TORCH_MODULE_IMPL(decoder_net, decoder_net_impl);
+
+/// The value model PPO builds from a `causal_lm`: the same backbone (weights copied) and a
+/// scalar head `score` (Hugging Face's token-classification head name).
+struct causal_lm_critic : module_adapter<causal_lm_critic, decoder_net> {
+  using module_adapter::module_adapter;
+  /// V of every prefix: ids (B, L), mask (B, L) -> (B, L) float.
+  torch::Tensor values(const torch::Tensor& ids, const torch::Tensor& mask) const {
+    return net_.ptr()->forward(ids, mask).squeeze(-1).to(torch::kFloat);
+  }
+  /// V of every prefix of packed sequences: (R, N) float.
+  torch::Tensor values_packed(const torch::Tensor& ids, const torch::Tensor& positions,
+                              const torch::Tensor& segments) const {
+    return net_.ptr()->forward_packed(ids, positions, segments).squeeze(-1).to(torch::kFloat);
+  }
+  const decoder_config& config() const { return net_->config(); }
+};
+static_assert(TokenCritic<causal_lm_critic>);
+static_assert(PackedTokenCritic<causal_lm_critic>);
+
+/// A Hugging Face decoder (Llama, Qwen2, Qwen3 or GPT-2) as a `CausalLM` of the token track.
+/// Built from a config alone it is randomly initialised as Hugging Face initialises it;
+/// `hf::from_pretrained` (hf/pretrained.hpp) loads a checkpoint.
+struct causal_lm : module_adapter<causal_lm, decoder_net> {
+  using track = token_track;
+  using cache_type = kv_cache;
+  using module_adapter::module_adapter;
+  explicit causal_lm(const decoder_config& c) : module_adapter(decoder_net(c)) {}
+
+  const decoder_config& config() const { return net_->config(); }
+  /// Dtype of the weights.
+  torch::ScalarType dtype() const { return net_->embedding_weight().scalar_type(); }
+
+  /// Next-token logits (B, L, V) in the weights' dtype; ids (B, L) int64, mask (B, L) float.
+  torch::Tensor logits(const torch::Tensor& ids, const torch::Tensor& mask) const {
+    return net_.ptr()->forward(ids, mask);
+  }
+  /// Packed logits (sequence packing): ids, positions, segments (R, N) -> (R, N, V).
+  torch::Tensor logits_packed(const torch::Tensor& ids, const torch::Tensor& positions,
+                              const torch::Tensor& segments) const {
+    return net_.ptr()->forward_packed(ids, positions, segments);
+  }
+  /// A KV cache holding only the KV heads (grouped-query attention repeats them at use).
+  kv_cache make_cache(std::int64_t batch, std::int64_t capacity) const { return net_->make_cache(batch, capacity); }
+  torch::Tensor logits_cached(const torch::Tensor& ids, const torch::Tensor& mask, kv_cache& c) const {
+    return net_.ptr()->forward_cached(ids, mask, c);
+  }
+  /// Row i of the result is row `index[i]` of `c` (prefix sharing).
+  kv_cache select_cache(const kv_cache& c, const torch::Tensor& index) const { return c.select(index); }
+  std::int64_t vocab_size() const { return net_->config().vocab_size; }
+  std::int64_t max_length() const { return net_->config().max_position_embeddings; }
+
+  /// A critic with this model's backbone weights (copied, same dtype and device) and a fresh `score` head.
+  causal_lm_critic make_critic() const {
+    decoder_net critic(net_->config(), 1);
+    torch::NoGradGuard ng;
+    const auto src = net_->named_parameters();
+    critic->to(dtype());
+    for (auto& p : critic->named_parameters())
+      if (!p.key().starts_with("score.")) p.value().copy_(src[p.key()]);
+    critic->to(device());
+    return causal_lm_critic(critic);
+  }
+};
+static_assert(CausalLM<causal_lm>);
+static_assert(PackedCausalLM<causal_lm>);
+static_assert(PrefixSharingCausalLM<causal_lm>);
+static_assert(CriticFactory<causal_lm>);
+
+}  // namespace unirl::models::hf

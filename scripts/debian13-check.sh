@@ -1,0 +1,182 @@
+#!/usr/bin/env bash
+# Runs the README's two commands on a fresh Debian root, as a new user would: makes the root with
+# debootstrap, installs only git in it, puts the repository in it and runs, inside it with chroot,
+#   bash scripts/quickstart.sh   then   bash scripts/test.sh
+# printing each command's result and time and a summary line. Needs root, debootstrap and chroot.
+#
+#   sudo bash scripts/debian13-check.sh [options] [DIR]
+#     DIR              where to make the root (default: a new directory under /var/tmp); it must
+#                      not exist or be empty, unless --reuse
+#     --suite NAME     trixie (Debian 13, the default) or bookworm (Debian 12)
+#     --worktree       copy the working tree (tracked and untracked, not ignored, files: what
+#                      you have not committed yet) instead of a `git clone` of HEAD (the default,
+#                      which leaves uncommitted changes out)
+#     --reuse          DIR holds a root this script made before: skip debootstrap and keep what
+#                      is installed there and the build directory (not a fresh machine any more;
+#                      for iterating on a fix)
+#     --mirror URL     Debian mirror (default: the first one the host's apt sources name, else
+#                      http://deb.debian.org/debian)
+#     --only quickstart|test|setup   run one of the two commands (setup: neither; make the root
+#                      and put the repository in it)
+#
+# Logs: DIR/unirl-check/{setup,quickstart,test}.log. The repository is at DIR/root/unirl.
+set -euo pipefail
+
+suite=trixie
+worktree=0
+reuse=0
+mirror=""
+only=""
+dir=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --suite) suite="$2"; shift 2 ;;
+    --suite=*) suite="${1#*=}"; shift ;;
+    --worktree) worktree=1; shift ;;
+    --reuse) reuse=1; shift ;;
+    --mirror) mirror="$2"; shift 2 ;;
+    --mirror=*) mirror="${1#*=}"; shift ;;
+    --only) only="$2"; shift 2 ;;
+    --only=*) only="${1#*=}"; shift ;;
+    -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
+    -*) echo "debian-check: unknown option '$1' (see --help)" >&2; exit 2 ;;
+    *) if [ -n "$dir" ]; then echo "debian-check: one DIR only, got '$dir' and '$1'" >&2; exit 2; fi
+       dir="$1"; shift ;;
+  esac
+done
+case "$suite" in
+  trixie|bookworm) ;;
+  *) echo "debian-check: --suite '$suite': expected trixie (Debian 13) or bookworm (Debian 12)" >&2; exit 2 ;;
+esac
+case "$only" in
+  ""|quickstart|test|setup) ;;
+  *) echo "debian-check: --only '$only': expected quickstart, test or setup" >&2; exit 2 ;;
+esac
+if [ "$(id -u)" -ne 0 ]; then echo "debian-check: needs root (debootstrap, chroot, mount)" >&2; exit 2; fi
+for tool in debootstrap chroot mount git; do
+  command -v "$tool" >/dev/null || { echo "debian-check: '$tool' not found (apt-get install debootstrap git)" >&2; exit 2; }
+done
+
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+git -C "$repo" rev-parse --git-dir >/dev/null 2>&1 ||
+  { echo "debian-check: $repo is not a git repository" >&2; exit 2; }
+
+if [ -z "$mirror" ]; then
+  # The host's first Debian mirror (one-line .list or deb822 .sources), security archives aside.
+  mirror="$(cat /etc/apt/sources.list /etc/apt/sources.list.d/*.list /etc/apt/sources.list.d/*.sources 2>/dev/null |
+    grep -oE '(https?|file)://[^ ]+/debian/?( |$)' | grep -v -- '-security' | head -n 1 | tr -d ' ' || true)"
+  mirror="${mirror:-http://deb.debian.org/debian}"
+fi
+mirror="${mirror%/}"
+
+if [ -z "$dir" ]; then
+  dir="$(mktemp -d "/var/tmp/unirl-$suite-check.XXXXXX")"
+fi
+mkdir -p "$dir"
+dir="$(cd "$dir" && pwd)"
+logs="$dir/unirl-check"
+
+mounted=()
+cleanup() {
+  local i
+  for ((i = ${#mounted[@]} - 1; i >= 0; i--)); do umount -l "${mounted[$i]}" 2>/dev/null || true; done
+}
+trap cleanup EXIT
+mount_in() {  # mount_in TYPE-ARGS... TARGET: mounts unless already mounted there
+  local target="${*: -1}"
+  mkdir -p "$target"
+  mountpoint -q "$target" && return 0
+  mount "$@" || return 1
+  mounted+=("$target")
+}
+in_root() {  # a clean login-like environment inside the root
+  chroot "$dir" /usr/bin/env -i HOME=/root PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
+    LANG=C.UTF-8 TERM="${TERM:-dumb}" DEBIAN_FRONTEND=noninteractive \
+    ${http_proxy:+http_proxy=$http_proxy} ${https_proxy:+https_proxy=$https_proxy} "$@"
+}
+
+t0=$(date +%s)
+if [ "$reuse" -eq 1 ] && [ -x "$dir/usr/bin/apt-get" ]; then
+  echo "debian-check: reusing the root in $dir (not fresh)"
+  mkdir -p "$logs"
+else
+  if [ -n "$(ls -A "$dir")" ]; then
+    echo "debian-check: $dir is not empty; give a new directory (or --reuse one this script made)" >&2
+    exit 2
+  fi
+  echo "debian-check: debootstrap $suite from $mirror into $dir"
+  mkdir -p "$logs"
+  # The log lives inside the root being made; debootstrap wants an empty target, so write it
+  # beside first and move it in.
+  debootstrap --variant=minbase "$suite" "$dir" "$mirror" > "$dir.debootstrap.log" 2>&1 ||
+    { tail -n 20 "$dir.debootstrap.log"; echo "debian-check: debootstrap failed" >&2; exit 1; }
+  mv "$dir.debootstrap.log" "$logs/setup.log"
+fi
+
+# debootstrap made the device nodes; /proc, /sys (LibTorch reads the CPU topology there) and a
+# /dev/shm of its own are mounted for the run and unmounted on exit. Nothing of the host's is
+# bind-mounted.
+mount_in -t proc proc "$dir/proc"
+mount_in -t sysfs sysfs "$dir/sys" || echo "debian-check: could not mount /sys in the root (continuing)"
+mount_in -t tmpfs -o mode=1777 tmpfs "$dir/dev/shm" || true
+cp -L /etc/resolv.conf "$dir/etc/resolv.conf"
+# No services start inside the root.
+printf '#!/bin/sh\nexit 101\n' > "$dir/usr/sbin/policy-rc.d"
+chmod +x "$dir/usr/sbin/policy-rc.d"
+
+echo "debian-check: installing git"
+{ in_root apt-get update -q && in_root apt-get install -y -q git; } \
+  >> "$logs/setup.log" 2>&1 || { tail -n 20 "$logs/setup.log"; echo "debian-check: apt-get failed" >&2; exit 1; }
+
+dest="$dir/root/unirl"
+if [ "$worktree" -eq 1 ]; then
+  # The working tree as it is now (uncommitted changes included), without ignored files; the
+  # build directory of an earlier --reuse run is kept.
+  echo "debian-check: copying the working tree of $repo"
+  mkdir -p "$dest"
+  (cd "$repo" && git ls-files -z --cached --others --exclude-standard |
+     while IFS= read -r -d '' f; do [ -e "$f" ] && printf '%s\0' "$f"; done |
+     tar --null -T - -cf -) | tar -xf - -C "$dest"
+  what="working tree of $(git -C "$repo" rev-parse --short HEAD) with uncommitted changes"
+else
+  # A clone of HEAD: what a user cloning the repository gets; uncommitted changes are left out.
+  echo "debian-check: cloning HEAD of $repo"
+  rm -rf "$dest.new"
+  git clone -q "$repo" "$dest.new"
+  if [ -d "$dest/build" ] && [ "$reuse" -eq 1 ]; then mv "$dest/build" "$dest.new/build"; fi
+  rm -rf "$dest"
+  mv "$dest.new" "$dest"
+  what="clone of HEAD $(git -C "$repo" rev-parse --short HEAD)"
+fi
+echo "debian-check: $what in /root/unirl; setup $(( $(date +%s) - t0 )) s"
+
+run_command() {  # run_command NAME SCRIPT: runs `bash SCRIPT` in /root/unirl, logs, records
+  local name="$1" script="$2" start rc
+  start=$(date +%s)
+  echo "debian-check: [$name] bash $script (log: $logs/$name.log)"
+  set +e
+  in_root /bin/bash -c "cd /root/unirl && bash $script" > "$logs/$name.log" 2>&1
+  rc=$?
+  set -e
+  eval "${name}_rc=$rc; ${name}_s=$(( $(date +%s) - start ))"
+}
+
+quickstart_rc=skipped; test_rc=skipped; quickstart_s=0; test_s=0
+if [ -z "$only" ] || [ "$only" = quickstart ]; then
+  run_command quickstart scripts/quickstart.sh
+  echo "---- quickstart ($quickstart_s s, exit $quickstart_rc); last lines:"
+  tail -n 8 "$logs/quickstart.log"
+fi
+if [ -z "$only" ] || [ "$only" = test ]; then
+  run_command test scripts/test.sh
+  echo "---- test ($test_s s, exit $test_rc); summary:"
+  grep -E 'tests passed|tests failed|The following tests FAILED|^[[:space:]]+[0-9]+ - |unirl: build' "$logs/test.log" || tail -n 20 "$logs/test.log"
+fi
+
+verdict() { case "$1" in 0) echo "ok" ;; skipped) echo "skipped" ;; *) echo "FAILED (exit $1)" ;; esac; }
+tests_line="$(grep -E '[0-9]+% tests passed' "$logs/test.log" 2>/dev/null | tail -n 1 || true)"
+echo "debian-check: $suite ($what): quickstart $(verdict "$quickstart_rc") in ${quickstart_s} s;" \
+     "test $(verdict "$test_rc") in ${test_s} s${tests_line:+ ($tests_line)}; total $(( $(date +%s) - t0 )) s"
+[ "$quickstart_rc" != 0 ] && [ "$quickstart_rc" != skipped ] && exit 1
+[ "$test_rc" != 0 ] && [ "$test_rc" != skipped ] && exit 1
+exit 0

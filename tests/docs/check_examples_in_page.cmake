@@ -1,0 +1,25 @@
+# docs/extending.md carries every example of docs/examples/ verbatim, each after a marker line
+#   <!-- example: docs/examples/NAME.cpp -->
+# and inside a ```cpp block. Fails naming the first example that is missing or differs.
+#   cmake -DPAGE=docs/extending.md -DEXAMPLES=docs/examples -P check_examples_in_page.cmake
+get_filename_component(PAGE "${PAGE}" ABSOLUTE)
+get_filename_component(EXAMPLES "${EXAMPLES}" ABSOLUTE)
+file(READ "${PAGE}" page)
+file(GLOB examples RELATIVE "${EXAMPLES}" "${EXAMPLES}/*.cpp")
+if(NOT examples)
+  message(FATAL_ERROR "no examples in ${EXAMPLES}")
+endif()
+foreach(name IN LISTS examples)
+  file(READ "${EXAMPLES}/${name}" code)
+  set(marker "<!-- example: docs/examples/${name} -->")
+  string(FIND "${page}" "${marker}" at)
+  if(at EQUAL -1)
+    message(FATAL_ERROR "${PAGE} has no '${marker}' (and the example after it)")
+  endif()
+  string(FIND "${page}" "${marker}\n```cpp\n${code}```\n" exact)
+  if(exact EQUAL -1)
+    message(FATAL_ERROR "${PAGE}: the code after '${marker}' differs from docs/examples/${name}: copy the file in verbatim")
+  endif()
+endforeach()
+list(LENGTH examples n)
+message(STATUS "${PAGE} carries its ${n} examples verbatim")

@@ -1,0 +1,3 @@
+#pragma once
+// upward: core sits below concepts
+#include <unirl/concepts/model.hpp>

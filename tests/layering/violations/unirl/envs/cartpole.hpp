@@ -1,0 +1,3 @@
+#pragma once
+// a folder of the same layer
+#include <unirl/data/jsonl.hpp>

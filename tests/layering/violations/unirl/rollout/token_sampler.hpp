@@ -1,0 +1,3 @@
+#pragma once
+// a concrete model in a sampler (and upward)
+#include <unirl/models/gpt.hpp>

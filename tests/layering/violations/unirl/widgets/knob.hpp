@@ -1,0 +1,2 @@
+#pragma once
+// a folder nobody placed

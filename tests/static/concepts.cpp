@@ -1,0 +1,254 @@
+// Every concept of the library holds for the library's models of it and fails for a near miss —
+// a type that lacks one documented member, or one the concept once accepted by mistake.
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include <unirl/env.hpp>
+#include <unirl/flow.hpp>
+#include <unirl/parallel/data_parallel.hpp>
+#include <unirl/rewards.hpp>
+#include <unirl/token.hpp>
+
+using namespace unirl;
+
+namespace near_miss {
+// ExecutionPolicy
+struct bool_policy {
+  static bool select(const torch::Tensor&) { return true; }  // not a backend
+};
+// TrainableModule / ModelAdapter
+struct no_clone {
+  std::vector<torch::Tensor> parameters() const { return {}; }
+  named_tensors named_parameters() const { return {}; }
+  named_tensors named_buffers() const { return {}; }
+  void train(bool) {}
+  void to(torch::Device) {}
+};
+struct module : no_clone {
+  module clone() const { return {}; }
+};
+struct untracked : module {
+  untracked clone() const { return {}; }
+};
+struct other_track {
+  using rollout_type = env_rollout;
+};
+struct tracked : module {
+  using track = other_track;
+  tracked clone() const { return {}; }
+};
+// CausalLM: a token-track adapter without the KV-cache members
+struct lm_without_cache : module {
+  using track = token_track;
+  lm_without_cache clone() const { return {}; }
+  torch::Tensor logits(const torch::Tensor& ids, const torch::Tensor&) const { return ids; }
+  std::int64_t vocab_size() const { return 8; }
+};
+// TokenCritic
+struct critic_without_values : module {
+  critic_without_values clone() const { return {}; }
+};
+// RolloutBatch
+struct batch_without_select {
+  std::int64_t size() const { return 0; }
+};
+// Environment
+struct env_without_step {
+  static constexpr std::size_t observation_size = 2;
+  using observation_type = std::array<float, 2>;
+  using action_space_type = discrete_space;
+  using action_type = std::int64_t;
+  action_space_type action_space() const { return {}; }
+  observation_type reset(std::uint64_t) { return {}; }
+};
+// ParallelStrategy: the statistics reduction of a scalar only (what the concept once required)
+struct scalar_mean_only {
+  int rank() const { return 0; }
+  int world_size() const { return 1; }
+  void all_reduce_gradients(const std::vector<torch::Tensor>&) {}
+  void broadcast(const std::vector<torch::Tensor>&, int) {}
+  double all_reduce_mean(double v) { return v; }
+  bool all_agree(bool ok) { return ok; }
+  void sync_weights(const std::vector<torch::Tensor>&) {}
+};
+// GroupAdvantageEstimator
+struct double_estimator {
+  double operator()(const torch::Tensor&, std::int64_t) const { return 0.0; }
+};
+// Algorithm: no supports_track
+struct algorithm_without_tracks {
+  struct options {
+    int x = 0;
+  };
+  explicit algorithm_without_tracks(const options&) {}
+  static constexpr bool requires_reference = false, requires_critic = false, requires_ema_rollout = false,
+                        requires_group = false, supports_multi_update = true;
+};
+// Checkpointable
+struct saves_only {
+  void save(torch::serialize::OutputArchive&) const {}
+};
+// Reflectable
+struct not_adapted {
+  int a = 0;
+};
+// EnvPolicy
+struct acts_only {
+  env_action act(const torch::Tensor&) const { return {}; }
+};
+// VectorEnvironment
+struct no_episodes {
+  std::int64_t num_envs() const { return 1; }
+  torch::Tensor observations() const { return {}; }
+  torch::Tensor dones() const { return {}; }
+  envs::vector_step step(const torch::Tensor&) { return {}; }
+  std::int64_t env_steps() const { return 0; }
+};
+// Rewards
+struct scores_doubles {
+  double operator()(const token_rollout&) const { return 0.0; }
+};
+struct texts_only {
+  std::vector<std::string> completions;
+};
+}  // namespace near_miss
+BOOST_HANA_ADAPT_STRUCT(near_miss::algorithm_without_tracks::options, x);
+
+namespace {
+using gpt = models::gpt;
+using ts_lm = models::torchscript_lm;
+using flow_t = models::flow_model<models::mlp_velocity_net>;
+using video_t = models::video_flow_model<models::temporal_velocity_net>;
+using video_unet_t = models::video_flow_model<models::clip_unet_velocity_net>;
+using ddpm_t = models::ddpm_model<models::conv_velocity_net>;
+using cat_ac = models::categorical_actor_critic;
+using gauss_ac = models::gaussian_actor_critic;
+using cart_venv = envs::vector_env<envs::cartpole>;
+using pend_venv = envs::vector_env<envs::pendulum>;
+using text_reward = rewards::weighted<rewards::exact_answer, rewards::regex_format>;
+}  // namespace
+
+// ExecutionPolicy
+static_assert(ExecutionPolicy<exec::automatic> && ExecutionPolicy<exec::reference> && ExecutionPolicy<exec::cpu> &&
+              ExecutionPolicy<exec::cuda>);
+static_assert(!ExecutionPolicy<int> && !ExecutionPolicy<near_miss::bool_policy>);
+
+// TrainableModule, ModelAdapter, CriticFactory
+static_assert(TrainableModule<near_miss::module> && !TrainableModule<near_miss::no_clone>);
+static_assert(TrainableModule<models::gpt_critic>);
+static_assert(ModelAdapter<gpt> && ModelAdapter<ts_lm> && ModelAdapter<flow_t> && ModelAdapter<video_t> &&
+              ModelAdapter<video_unet_t> && ModelAdapter<ddpm_t> && ModelAdapter<cat_ac> && ModelAdapter<gauss_ac>);
+static_assert(!ModelAdapter<near_miss::untracked> && ModelAdapter<near_miss::tracked>);
+static_assert(CriticFactory<gpt>);
+static_assert(!CriticFactory<ts_lm> && !CriticFactory<cat_ac> && !CriticFactory<flow_t>);
+
+// CausalLM and its refinements, TokenCritic
+static_assert(CausalLM<gpt> && CausalLM<ts_lm>);
+static_assert(!CausalLM<near_miss::lm_without_cache> && !CausalLM<flow_t> && !CausalLM<cat_ac>);
+static_assert(PackedCausalLM<gpt> && !PackedCausalLM<ts_lm>);
+static_assert(PrefixSharingCausalLM<gpt> && !PrefixSharingCausalLM<ts_lm>);
+static_assert(TokenCritic<models::gpt_critic> && PackedTokenCritic<models::gpt_critic>);
+static_assert(!TokenCritic<near_miss::critic_without_values> && !TokenCritic<gpt>);
+
+// RolloutBatch, Checkpointable, Reflectable
+static_assert(RolloutBatch<token_rollout> && RolloutBatch<rollout::flow_rollout> && RolloutBatch<env_rollout> &&
+              RolloutBatch<rewards::json_batch>);
+static_assert(!RolloutBatch<near_miss::batch_without_select> && !RolloutBatch<prompt_batch>);
+static_assert(Checkpointable<envs::cartpole> && Checkpointable<envs::pendulum> && Checkpointable<cart_venv> &&
+              Checkpointable<pend_venv>);
+static_assert(!Checkpointable<near_miss::saves_only> && !Checkpointable<gpt>);  // a model travels as tensors
+static_assert(Reflectable<algo::grpo_options> && Reflectable<algo::ppo_token_options> &&
+              Reflectable<train::optimizer_options> && Reflectable<trainer_options<algo::grpo<>>>);
+static_assert(!Reflectable<near_miss::not_adapted> && !Reflectable<int>);
+
+// Environments
+static_assert(Environment<envs::cartpole> && DiscreteEnvironment<envs::cartpole> &&
+              !ContinuousEnvironment<envs::cartpole>);
+static_assert(Environment<envs::pendulum> && ContinuousEnvironment<envs::pendulum> &&
+              !DiscreteEnvironment<envs::pendulum>);
+static_assert(!Environment<near_miss::env_without_step>);
+static_assert(VectorEnvironment<cart_venv> && VectorEnvironment<pend_venv>);
+static_assert(!VectorEnvironment<near_miss::no_episodes> && !VectorEnvironment<envs::cartpole>);
+static_assert(EnvPolicy<cat_ac> && EnvPolicy<gauss_ac>);
+static_assert(!EnvPolicy<near_miss::acts_only> && !EnvPolicy<gpt>);
+
+// Flow models, networks and samplers
+static_assert(VelocityModel<flow_t> && VelocityModel<video_t> && VelocityModel<video_unet_t>);
+static_assert(!VelocityModel<ddpm_t> && !VelocityModel<gpt>);
+static_assert(NoiseModel<ddpm_t> && !NoiseModel<flow_t>);
+static_assert(ConditionalNet<models::mlp_velocity_net> && ConditionalNet<models::conv_velocity_net> &&
+              ConditionalNet<models::temporal_velocity_net> && ConditionalNet<models::clip_unet_velocity_net>);
+static_assert(!ConditionalNet<models::gpt_net> && !ConditionalNet<int>);
+static_assert(SamplerFor<rollout::ode::euler, flow_t> && SamplerFor<rollout::sde::flow_grpo, flow_t> &&
+              SamplerFor<rollout::sde::cps, flow_t> && SamplerFor<rollout::sde::dance, video_t> &&
+              SamplerFor<rollout::sde::ddim, ddpm_t>);
+static_assert(!SamplerFor<rollout::sde::ddim, flow_t> && !SamplerFor<rollout::ode::euler, ddpm_t> &&
+              !SamplerFor<rollout::sde::flow_grpo, ddpm_t>);
+
+// Rewards
+static_assert(RewardFor<rewards::environment_reward, env_rollout> && RewardFor<text_reward, token_rollout>);
+static_assert(!RewardFor<rewards::environment_reward, token_rollout> &&
+              !RewardFor<near_miss::scores_doubles, token_rollout>);
+static_assert(ScorerFor<rewards::exact_answer, token_rollout> && ScorerFor<rewards::regex_format, token_rollout> &&
+              ScorerFor<rewards::overlong_penalty, token_rollout> && ScorerFor<rewards::bleu_reward, token_rollout>);
+static_assert(!ScorerFor<rewards::exact_answer, rollout::flow_rollout>);
+static_assert(ReportsComponents<text_reward> && !ReportsComponents<rewards::exact_answer>);
+static_assert(HasCompletions<token_rollout> && HasReferences<token_rollout> && HasPrompts<token_rollout> &&
+              HasCompletions<rewards::json_batch>);
+static_assert(!HasCompletions<rollout::flow_rollout> && !HasReferences<near_miss::texts_only> &&
+              !HasPrompts<env_rollout>);
+static_assert(HasImages<rollout::flow_rollout> && !HasImages<token_rollout>);
+static_assert(rewards::HasCompletionLengths<token_rollout> && !rewards::HasCompletionLengths<near_miss::texts_only>);
+
+// ParallelStrategy: the trainer reduces its statistics through all_reduce_mean(tensor)
+static_assert(ParallelStrategy<parallel::single_device> && ParallelStrategy<parallel::data_parallel<parallel::gloo>>);
+static_assert(ParallelStrategy<par::single_device>);  // the former namespace name still works
+static_assert(!ParallelStrategy<near_miss::scalar_mean_only> && !ParallelStrategy<int>);
+
+// GroupAdvantageEstimator
+static_assert(GroupAdvantageEstimator<algo::group_normalized> && GroupAdvantageEstimator<algo::dr_grpo> &&
+              GroupAdvantageEstimator<algo::rloo>);
+static_assert(!GroupAdvantageEstimator<near_miss::double_estimator> && !GroupAdvantageEstimator<int>);
+
+// Algorithm: every algorithm; a family (ppo<>) is not one itself, its member for a track is
+static_assert(Algorithm<algo::grpo<>> && Algorithm<algo::grpo<exec::reference>>);
+static_assert(Algorithm<algo::ppo<>::for_track<token_track>> && Algorithm<algo::ppo<exec::cpu, env_track>>);
+static_assert(Algorithm<algo::flow_grpo<>> && Algorithm<algo::flow_grpo<rollout::sde::dance>> &&
+              Algorithm<algo::flow_dppo<>> && Algorithm<algo::ram<>> && Algorithm<algo::diffusion_nft<>>);
+static_assert(!Algorithm<algo::ppo<>> && !Algorithm<near_miss::algorithm_without_tracks> && !Algorithm<int>);
+static_assert(std::is_same_v<algorithm_for_t<algo::ppo<>, gpt>, algo::ppo<exec::automatic, token_track>>);
+static_assert(std::is_same_v<algorithm_for_t<algo::grpo<>, gpt>, algo::grpo<>>);
+
+// AlgorithmFor: each algorithm trains exactly the models of its track its stages can drive
+static_assert(AlgorithmFor<algo::grpo<>, gpt> && AlgorithmFor<algo::grpo<>, ts_lm>);
+static_assert(!AlgorithmFor<algo::grpo<>, cat_ac> && !AlgorithmFor<algo::grpo<>, flow_t> &&
+              !AlgorithmFor<algo::grpo<>, near_miss::lm_without_cache>);
+static_assert(AlgorithmFor<algo::ppo<>, gpt> && AlgorithmFor<algo::ppo<>, cat_ac> && AlgorithmFor<algo::ppo<>, gauss_ac>);
+static_assert(AlgorithmFor<algo::flow_grpo<>, flow_t> && AlgorithmFor<algo::flow_grpo<rollout::sde::ddim>, ddpm_t> &&
+              AlgorithmFor<algo::flow_dppo<rollout::sde::cps>, video_t>);
+static_assert(!AlgorithmFor<algo::flow_grpo<>, ddpm_t> && !AlgorithmFor<algo::flow_grpo<>, gpt>);
+static_assert(AlgorithmFor<algo::diffusion_nft<>, flow_t> && AlgorithmFor<algo::diffusion_nft<>, video_t>);
+static_assert(!AlgorithmFor<algo::diffusion_nft<>, ddpm_t> &&
+              !AlgorithmFor<algo::diffusion_nft<rollout::sde::ddim>, ddpm_t>);  // the NFT loss needs velocities
+static_assert(AlgorithmFor<algo::ram<>, flow_t> && AlgorithmFor<algo::ram<rollout::sde::ddim>, ddpm_t>);
+static_assert(!AlgorithmFor<algo::ram<>, ddpm_t>);  // an ODE velocity sampler cannot drive a noise model
+
+// SamplesFrom: the input each algorithm draws from
+static_assert(SamplesFrom<algo::grpo<>, gpt, prompt_batch> && SamplesFrom<algo::ppo<>, gpt, prompt_batch>);
+static_assert(SamplesFrom<algo::ppo<>, cat_ac, cart_venv> && SamplesFrom<algo::ppo<>, gauss_ac, pend_venv>);
+static_assert(SamplesFrom<algo::flow_grpo<>, flow_t, torch::Tensor>);
+static_assert(!SamplesFrom<algo::grpo<>, gpt, torch::Tensor> && !SamplesFrom<algo::ppo<>, gpt, cart_venv> &&
+              !SamplesFrom<algo::ppo<>, cat_ac, prompt_batch>);
+
+// The execution-policy slot of every algorithm takes only an ExecutionPolicy
+template <class E>
+concept grpo_takes = requires { typename algo::grpo<E>; };
+template <class E>
+concept ppo_takes = requires { typename algo::ppo<E>; };
+static_assert(grpo_takes<exec::reference> && ppo_takes<exec::cpu>);
+static_assert(!grpo_takes<int> && !ppo_takes<int> && !grpo_takes<near_miss::bool_policy>);
+static_assert(std::is_same_v<algo::grpo<exec::cuda>::exec_policy, exec::cuda>);
