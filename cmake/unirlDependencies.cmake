@@ -1,6 +1,12 @@
 # Finds what unirl's headers need. Shared by the source tree and by the installed
 # unirlConfig.cmake, so a consumer gets the same resolution as the project's own build.
 # UNIRL_DEP_FIND is find_package (source tree) or find_dependency (installed package).
+# CMake >= 3.30 (Debian 13) removed its FindBoost module (policy CMP0167); Boost's own
+# BoostConfig.cmake (Boost >= 1.70) defines the same Boost::headers. Older CMake keeps FindBoost.
+# Set before the macro below, which keeps the policies in force where it is defined.
+if(POLICY CMP0167)
+  cmake_policy(SET CMP0167 NEW)
+endif()
 if(NOT DEFINED UNIRL_DEP_FIND)
   set(UNIRL_DEP_FIND find_package)
 endif()
@@ -30,11 +36,6 @@ if(DEFINED Torch_VERSION AND Torch_VERSION VERSION_LESS 1.13)
 endif()
 
 unirl_find_dep(Eigen3 3.3 REQUIRED NO_MODULE)
-# CMake >= 3.30 (Debian 13) removed its FindBoost module (policy CMP0167); Boost's own
-# BoostConfig.cmake (Boost >= 1.70) defines the same Boost::headers. Older CMake keeps FindBoost.
-if(POLICY CMP0167)
-  cmake_policy(SET CMP0167 NEW)
-endif()
 unirl_find_dep(Boost 1.74 REQUIRED)
 unirl_find_dep(nlohmann_json 3.9 REQUIRED)
 unirl_find_dep(Threads REQUIRED)

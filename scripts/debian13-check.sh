@@ -106,11 +106,8 @@ else
   fi
   echo "debian-check: debootstrap $suite from $mirror into $dir"
   mkdir -p "$logs"
-  # The log lives inside the root being made; debootstrap wants an empty target, so write it
-  # beside first and move it in.
-  debootstrap --variant=minbase "$suite" "$dir" "$mirror" > "$dir.debootstrap.log" 2>&1 ||
-    { tail -n 20 "$dir.debootstrap.log"; echo "debian-check: debootstrap failed" >&2; exit 1; }
-  mv "$dir.debootstrap.log" "$logs/setup.log"
+  debootstrap --variant=minbase "$suite" "$dir" "$mirror" > "$logs/setup.log" 2>&1 ||
+    { tail -n 20 "$logs/setup.log"; echo "debian-check: debootstrap failed" >&2; exit 1; }
 fi
 
 # debootstrap made the device nodes; /proc, /sys (LibTorch reads the CPU topology there) and a
@@ -130,8 +127,9 @@ echo "debian-check: installing git"
 
 dest="$dir/root/unirl"
 if [ "$worktree" -eq 1 ]; then
-  # The working tree as it is now (uncommitted changes included), without ignored files; the
-  # build directory of an earlier --reuse run is kept.
+  # The working tree as it is now (uncommitted changes included), without ignored files; with
+  # --reuse, copied over the previous copy (its build directory is kept, and so are files
+  # deleted since).
   echo "debian-check: copying the working tree of $repo"
   mkdir -p "$dest"
   (cd "$repo" && git ls-files -z --cached --others --exclude-standard |
@@ -170,7 +168,8 @@ fi
 if [ -z "$only" ] || [ "$only" = test ]; then
   run_command test scripts/test.sh
   echo "---- test ($test_s s, exit $test_rc); summary:"
-  grep -E 'tests passed|tests failed|The following tests FAILED|^[[:space:]]+[0-9]+ - |unirl: build' "$logs/test.log" || tail -n 20 "$logs/test.log"
+  grep -E 'tests passed|tests failed|The following tests FAILED|^[[:space:]]+[0-9]+ - |unirl: build' \
+    "$logs/test.log" || tail -n 20 "$logs/test.log"
 fi
 
 verdict() { case "$1" in 0) echo "ok" ;; skipped) echo "skipped" ;; *) echo "FAILED (exit $1)" ;; esac; }

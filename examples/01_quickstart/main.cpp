@@ -34,6 +34,8 @@
 #include <unirl/train/plot.hpp>
 #include <unirl/trainer.hpp>
 
+#include "common/addition.hpp"
+
 struct quickstart_options {
   std::int64_t max_operand = 99;      // operands drawn from [0, max_operand]
   std::int64_t d_model = 64;
@@ -68,40 +70,18 @@ namespace {
 using clock_type = std::chrono::steady_clock;
 double since(clock_type::time_point t0) { return std::chrono::duration<double>(clock_type::now() - t0).count(); }
 
-struct problem {
-  std::int64_t a, b;
-  std::string prompt() const { return std::to_string(a) + "+" + std::to_string(b) + "="; }
-  std::string answer() const { return std::to_string(a + b); }
-};
+using problem = examples::addition_problem;
+std::string prompt_of(const problem& p) { return p.question() + "="; }
 
-struct task {
+struct task : examples::addition_task {
   unirl::models::char_tokenizer tok{"0123456789+=."};
-  std::vector<problem> heldout;
-  std::set<std::pair<std::int64_t, std::int64_t>> held;
-  std::int64_t max_operand;
-  std::mt19937_64 rng;
+  using addition_task::addition_task;
 
-  task(std::int64_t max_op, std::int64_t n_heldout, std::uint64_t seed) : max_operand(max_op), rng(seed) {
-    while (static_cast<std::int64_t>(heldout.size()) < n_heldout) {
-      auto p = draw_any();
-      if (held.insert({p.a, p.b}).second) heldout.push_back(p);
-    }
-  }
-  problem draw_any() {
-    std::uniform_int_distribution<std::int64_t> d(0, max_operand);
-    return {d(rng), d(rng)};
-  }
-  problem draw_train() {
-    for (;;) {
-      auto p = draw_any();
-      if (!held.count({p.a, p.b})) return p;
-    }
-  }
   unirl::prompt_batch prompts(const std::vector<problem>& ps) const {
     unirl::prompt_batch in{.decode = tok.decoder(), .pad_id = tok.pad_id()};
     for (const auto& p : ps) {
-      in.tokens.push_back(tok.encode(p.prompt()));
-      in.texts.push_back(p.prompt());
+      in.tokens.push_back(tok.encode(prompt_of(p)));
+      in.texts.push_back(prompt_of(p));
       in.references.push_back(p.answer());
     }
     return in;
@@ -114,7 +94,7 @@ struct task {
 // Greedy held-out accuracy: the completion (stop token excluded) must equal the sum exactly.
 double accuracy(const unirl::models::gpt& model, const task& t) {
   torch::NoGradGuard ng;
-  const auto in = t.prompts(t.heldout);
+  const auto in = t.prompts(t.heldout());
   auto s = t.sampling(1.0);
   s.top_k = 1;
   const auto b = unirl::sample_tokens(model, in, 1, s);
@@ -130,8 +110,8 @@ double pretrain_step(unirl::models::gpt& model, torch::optim::Optimizer& opt, ta
   std::size_t L = 0;
   for (std::int64_t i = 0; i < batch; ++i) {
     const auto p = t.draw_train();
-    auto ids = t.tok.encode(p.prompt() + p.answer() + ".");
-    prompt_len.push_back(static_cast<std::int64_t>(p.prompt().size()));
+    auto ids = t.tok.encode(prompt_of(p) + p.answer() + ".");
+    prompt_len.push_back(static_cast<std::int64_t>(prompt_of(p).size()));
     L = std::max(L, ids.size());
     seqs.push_back(std::move(ids));
   }

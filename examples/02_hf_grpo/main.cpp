@@ -37,6 +37,8 @@
 #include <unirl/tokenizers/train.hpp>
 #include <unirl/train/sft.hpp>
 
+#include "common/addition.hpp"
+
 struct hf_grpo_options {
   std::int64_t max_operand = 99;     // operands drawn from [0, max_operand]
   std::int64_t vocab_size = 300;     // BPE vocabulary (256 bytes + merges + 3 special tokens)
@@ -69,35 +71,18 @@ double since(clock_type::time_point t0) { return std::chrono::duration<double>(c
 namespace tk = unirl::tokenizers;
 namespace hf = unirl::models::hf;
 
-struct problem {
-  std::int64_t a, b;
-  std::string question() const { return std::to_string(a) + "+" + std::to_string(b); }
-  std::string answer() const { return std::to_string(a + b); }
+struct problem : examples::addition_problem {
   std::string prompt() const { return tk::apply_chat_template(tk::chat_format::chatml, {{"user", question()}}, true); }
 };
 
-struct task {
-  std::vector<problem> heldout;
-  std::set<std::pair<std::int64_t, std::int64_t>> held;
-  std::int64_t max_operand;
-  std::mt19937_64 rng;
-  task(std::int64_t max_op, std::int64_t n, std::uint64_t seed) : max_operand(max_op), rng(seed) {
-    while (static_cast<std::int64_t>(heldout.size()) < n) {
-      auto p = draw_any();
-      if (held.insert({p.a, p.b}).second) heldout.push_back(p);
-    }
-  }
-  problem draw_any() {
-    std::uniform_int_distribution<std::int64_t> d(0, max_operand);
-    return {d(rng), d(rng)};
-  }
-  problem draw_train() {
-    for (;;)
-      if (auto p = draw_any(); !held.count({p.a, p.b})) return p;
-  }
+struct task : examples::addition_task {
+  using addition_task::addition_task;
+  problem draw_any() { return {addition_task::draw_any()}; }
+  problem draw_train() { return {addition_task::draw_train()}; }
 };
 
-void write_jsonl(const std::filesystem::path& path, const std::vector<problem>& ps) {
+template <class Problems>
+void write_jsonl(const std::filesystem::path& path, const Problems& ps) {
   std::ofstream f(path);
   for (const auto& p : ps) f << nlohmann::json{{"question", p.question()}, {"answer", p.answer()}}.dump() << "\n";
 }
@@ -129,9 +114,9 @@ int main(int argc, char** argv) try {
                            {"<|endoftext|>", "<|im_start|>", "<|im_end|>"});
   tok.set_special_tokens("<|im_end|>", "<|endoftext|>");
   const auto eos = *tok.eos_id();
+  const problem first{t.heldout()[0]};
   std::cout << "tokenizer: byte-level BPE, " << tok.vocab_size() << " tokens (" << tok.num_merges()
-            << " merges); \"" << t.heldout[0].question() << "\" in ChatML is " << tok.encode(t.heldout[0].prompt()).size()
-            << " tokens\n";
+            << " merges); \"" << first.question() << "\" in ChatML is " << tok.encode(first.prompt()).size() << " tokens\n";
 
   hf::decoder_config cfg;
   cfg.arch = hf::architecture::qwen2;
@@ -150,7 +135,7 @@ int main(int argc, char** argv) try {
   hf::causal_lm model(cfg);
 
   std::vector<unirl::data::record> eval_records;
-  for (const auto& p : t.heldout) eval_records.push_back({.prompt = p.question(), .answer = p.answer()});
+  for (const auto& p : t.heldout()) eval_records.push_back({.prompt = p.question(), .answer = p.answer()});
   unirl::recipes::token_recipe recipe;
   recipe.format = unirl::recipes::prompt_format::chatml;
   recipe.sampling = {.max_new_tokens = 6, .temperature = 1.0};
@@ -198,7 +183,7 @@ int main(int argc, char** argv) try {
   std::vector<problem> train_ps;
   for (std::int64_t i = 0; i < o.train_records; ++i) train_ps.push_back(t.draw_train());
   write_jsonl(out / "train.jsonl", train_ps);
-  write_jsonl(out / "heldout.jsonl", t.heldout);
+  write_jsonl(out / "heldout.jsonl", t.heldout());
   recipe.model = base.string();
   recipe.data = {.path = (out / "train.jsonl").string(), .prompt_key = "question", .answer_key = "answer",
                  .seed = o.seed};

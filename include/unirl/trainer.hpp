@@ -217,6 +217,7 @@ class trainer {
         reward_(std::move(reward)),
         algorithm_(opts_.algorithm),
         guard_(opts_.guard) {
+    check_against_model();
     torch::manual_seed(static_cast<std::uint64_t>(opts_.seed + parallel_.rank()));
     models_.policy.to(device_);
     if constexpr (algorithm_type::requires_critic && CriticFactory<Model>) {
@@ -266,6 +267,7 @@ class trainer {
     optimizer_->set_lr_multiplier(train::lr_multiplier(schedule(), step_));
     s.learning_rate = optimizer_->learning_rate();
 
+    if constexpr (requires { input.tokens.at(0).size(); }) check_prompt_lengths(input);  // a prompt_batch
     const auto t0 = clock::now();
     std::optional<rollout_type> batch;
     {
@@ -443,6 +445,64 @@ class trainer {
   static options checked(options o) {
     ::unirl::options::validate(o);
     return o;
+  }
+
+  // The sampling options of the algorithm (GRPO family: algorithm.sampling; PPO on the token
+  // track: algorithm.track.sampling) and their key; nullptr for algorithms without them.
+  auto sampling_settings() const {
+    if constexpr (requires { opts_.algorithm.sampling.max_new_tokens; })
+      return std::pair{&opts_.algorithm.sampling, std::string("algorithm.sampling.")};
+    else if constexpr (requires { opts_.algorithm.track.sampling.max_new_tokens; })
+      return std::pair{&opts_.algorithm.track.sampling, std::string("algorithm.track.sampling.")};
+    else
+      return std::pair{static_cast<const int*>(nullptr), std::string()};
+  }
+
+  // Settings that cannot work with this model or machine, rejected here rather than at the first
+  // step (after a pretraining stage, say): a device that is not there, completions as long as the
+  // model's context, stop tokens outside its vocabulary.
+  void check_against_model() const {
+    const torch::Device d(opts_.device);
+    if (d.is_cuda()) {
+      const auto n = torch::cuda::is_available() ? static_cast<std::int64_t>(torch::cuda::device_count()) : 0;
+      if (d.index() >= n || n == 0)
+        throw config_error("device", detail::concat("value \"", opts_.device, "\" names a CUDA device, but this ",
+                                                    "process sees ", n, " CUDA device(s)"));
+    }
+    const auto [s, p] = sampling_settings();
+    if constexpr (!std::is_same_v<std::remove_cvref_t<decltype(*s)>, int>) {
+      if constexpr (requires(const Model& m) { { m.max_length() } -> std::convertible_to<std::int64_t>; }) {
+        const std::int64_t L = models_.policy.max_length();
+        if (s->max_new_tokens >= L)
+          throw config_error(p + "max_new_tokens",
+                             detail::concat("value ", s->max_new_tokens, " leaves no room for a prompt in the model's ",
+                                            "context of max_length() = ", L, " tokens; expected < ", L));
+      }
+      if constexpr (detail::lm_has_vocab_size<Model>) {
+        const std::int64_t V = models_.policy.vocab_size();
+        for (const auto t : s->stop_tokens)
+          if (t < 0 || t >= V)
+            throw config_error(p + "stop_tokens", detail::concat("token id ", t, " is outside the model's vocabulary of ",
+                                                                  V, " tokens; expected ids in [0, ", V, ")"));
+      }
+    }
+  }
+
+  // The longest prompt plus max_new_tokens must fit the model's context; checked before sampling.
+  template <class Prompts>
+  void check_prompt_lengths(const Prompts& in) const {
+    if constexpr (requires(const Model& m) { { m.max_length() } -> std::convertible_to<std::int64_t>; }) {
+      const auto [s, p] = sampling_settings();
+      if constexpr (!std::is_same_v<std::remove_cvref_t<decltype(*s)>, int>) {
+        const std::int64_t L = models_.policy.max_length(), T = s->max_new_tokens;
+        for (std::size_t i = 0; i < in.tokens.size(); ++i) {
+          const auto P = static_cast<std::int64_t>(in.tokens[i].size());
+          UNIRL_CHECK(P + T <= L, "trainer::step: prompt ", i, " has ", P, " tokens; with ", p, "max_new_tokens = ", T,
+                      " that makes ", P + T, ", more than the model's max_length() = ", L,
+                      ": shorten the prompts to at most ", L - T, " tokens or lower max_new_tokens");
+        }
+      }
+    }
   }
 
   static Model frozen_copy(const Model& m) {

@@ -30,8 +30,7 @@ set(UNIRL_LAYERS
 set(UNIRL_CONCRETE models envs rewards)
 set(UNIRL_CONCRETE_FREE algorithms rollout)
 # Concepts still defined outside concepts/ ("file:Concept"), each to be moved.
-set(UNIRL_CONCEPT_EXCEPTIONS
-  "rewards/rules.hpp:HasCompletionLengths")  # rules.hpp is being reworked elsewhere; move it next
+set(UNIRL_CONCEPT_EXCEPTIONS)
 
 if(NOT ROOT)
   set(ROOT "${CMAKE_CURRENT_LIST_DIR}/../../include")

@@ -70,13 +70,15 @@ static bool yaml_as_expected() {
     return false;
   }
   if constexpr (with_yaml) {
-    const auto path = std::filesystem::temp_directory_path() / ("unirl_consumer_" + std::to_string(::getpid()) + ".yaml");
+    const auto path =
+        std::filesystem::temp_directory_path() / ("unirl_consumer_" + std::to_string(::getpid()) + ".yaml");
     std::ofstream(path) << "lr: 0.25\nweight_decay: 0.5\n";
     unirl::train::optimizer_options o;
     unirl::options::load_recipe(o, path.string());
     std::filesystem::remove(path);
     if (o.lr != 0.25 || o.weight_decay != 0.5) {
-      std::cerr << "YAML recipe read lr = " << o.lr << ", weight_decay = " << o.weight_decay << "; expected 0.25, 0.5\n";
+      std::cerr << "YAML recipe read lr = " << o.lr << ", weight_decay = " << o.weight_decay
+                << "; expected 0.25, 0.5\n";
       return false;
     }
   }

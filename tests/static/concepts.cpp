@@ -252,3 +252,33 @@ concept ppo_takes = requires { typename algo::ppo<E>; };
 static_assert(grpo_takes<exec::reference> && ppo_takes<exec::cpu>);
 static_assert(!grpo_takes<int> && !ppo_takes<int> && !grpo_takes<near_miss::bool_policy>);
 static_assert(std::is_same_v<algo::grpo<exec::cuda>::exec_policy, exec::cuda>);
+
+// A flow sampler carries its own options: the algorithms' `sampler` option is `Sampler::options`.
+namespace custom {
+struct one_step_options {
+  std::int64_t steps = 1;
+};
+}  // namespace custom
+BOOST_HANA_ADAPT_STRUCT(custom::one_step_options, steps);
+namespace custom {
+struct one_step {
+  using options = one_step_options;
+  options opts;
+  explicit one_step(const options& o = {}) : opts(o) {}
+  template <class M>
+  rollout::step_coefficients coefficients(M&, double t, double t_next) const {
+    return rollout::math::euler(t, t_next);
+  }
+  template <VelocityModel M>
+  torch::Tensor predict(M& m, const torch::Tensor& x, double t, const torch::Tensor& cond) const {
+    return m.velocity(x, torch::full({x.size(0)}, t, x.options()), cond);
+  }
+  template <class M>
+  std::vector<double> timesteps(M&) const { return {1.0, 0.0}; }
+  rollout::logprob_reduction reduction() const { return rollout::logprob_reduction::mean; }
+};
+}  // namespace custom
+static_assert(std::is_same_v<decltype(algo::ram<custom::one_step>::options{}.sampler), custom::one_step_options>);
+static_assert(std::is_same_v<algo::flow_grpo<>::options, algo::flow_grpo_options>);
+static_assert(SamplerFor<custom::one_step, flow_t> && AlgorithmFor<algo::ram<custom::one_step>, flow_t>);
+static_assert(unirl::options::reflects_every_member<algo::ram<custom::one_step>::options>);

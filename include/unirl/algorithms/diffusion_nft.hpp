@@ -29,14 +29,15 @@
 
 namespace unirl::algo {
 
-/// Options of `diffusion_nft`.
-struct diffusion_nft_options {
+/// Options of `diffusion_nft<Sampler>`: `SamplerOptions` is `Sampler::options` (the sampler carries its own).
+template <class SamplerOptions = rollout::flow_sampler_options>
+struct basic_diffusion_nft_options {
   double beta = 1.0;           // mixing of v_theta into the implicit positive / negative policies
   double adv_clip_max = 5.0;   // Z: r = 0.5 + 0.5 clip(A / Z, -1, 1)
   std::int64_t draws = 1;      // (t, eps) pairs per endpoint
   double ema_decay = 0.9;      // EMA of the policy that draws rollouts and gives v_old
   flow_advantage_options advantage{};
-  rollout::flow_sampler_options sampler{};
+  SamplerOptions sampler{};        // the sampler's own options (`Sampler::options`)
 
   void validate(const std::string& p) const {
     options::require(beta > 0.0, p + "beta", beta, "> 0");
@@ -46,9 +47,28 @@ struct diffusion_nft_options {
   }
 };
 
+/// The options of `diffusion_nft` with any built-in sampler (their `options` are `flow_sampler_options`).
+using diffusion_nft_options = basic_diffusion_nft_options<>;
 }  // namespace unirl::algo
 
-BOOST_HANA_ADAPT_STRUCT(unirl::algo::diffusion_nft_options, beta, adv_clip_max, draws, ema_decay, advantage, sampler);
+// basic_diffusion_nft_options is a template, so BOOST_HANA_ADAPT_STRUCT cannot adapt it: this is the table the
+// macro would generate (tests/static checks that it lists every member).
+namespace boost::hana {
+template <class S>
+struct accessors_impl<unirl::algo::basic_diffusion_nft_options<S>> {
+#define UNIRL_MEMBER(name) \
+  make_pair(BOOST_HANA_STRING(#name), [](auto&& s) -> decltype(auto) { return (static_cast<decltype(s)&&>(s).name); })
+  static constexpr auto apply() {
+    return make_tuple(UNIRL_MEMBER(beta),
+                      UNIRL_MEMBER(adv_clip_max),
+                      UNIRL_MEMBER(draws),
+                      UNIRL_MEMBER(ema_decay),
+                      UNIRL_MEMBER(advantage),
+                      UNIRL_MEMBER(sampler));
+  }
+#undef UNIRL_MEMBER
+};
+}  // namespace boost::hana
 
 namespace unirl::algo {
 
@@ -64,8 +84,8 @@ inline torch::Tensor nft_loss(const torch::Tensor& v_theta, const torch::Tensor&
 
 /// DiffusionNFT for velocity models, rollouts drawn by `Sampler` from the EMA policy.
 template <class Sampler = rollout::ode::euler>
-class diffusion_nft : public flow::algorithm_base<diffusion_nft_options, Sampler, true> {
-  using base = flow::algorithm_base<diffusion_nft_options, Sampler, true>;
+class diffusion_nft : public flow::algorithm_base<basic_diffusion_nft_options<typename Sampler::options>, Sampler, true> {
+  using base = flow::algorithm_base<basic_diffusion_nft_options<typename Sampler::options>, Sampler, true>;
 
  public:
   using typename base::options;

@@ -28,14 +28,15 @@
 
 namespace unirl::algo {
 
-/// Options of `flow_dppo`.
-struct flow_dppo_options {
+/// Options of `flow_dppo<Sampler>`: `SamplerOptions` is `Sampler::options` (the sampler carries its own).
+template <class SamplerOptions = rollout::flow_sampler_options>
+struct basic_flow_dppo_options {
   double delta = 1e-5;             // trust-region size on the per-step Gaussian KL
   double beta = 0.0;               // KL-to-reference coefficient; 0 builds no reference
   double adv_clip_max = 0.0;       // > 0: advantages clipped to +-adv_clip_max; 0: unclipped
   double timestep_fraction = 1.0;  // train on the first fraction of the stochastic steps
   flow_advantage_options advantage{};
-  rollout::flow_sampler_options sampler{};
+  SamplerOptions sampler{};        // the sampler's own options (`Sampler::options`)
 
   void validate(const std::string& p) const {
     options::require(delta >= 0.0, p + "delta", delta, ">= 0");
@@ -44,17 +45,35 @@ struct flow_dppo_options {
   }
 };
 
+/// The options of `flow_dppo` with any built-in sampler (their `options` are `flow_sampler_options`).
+using flow_dppo_options = basic_flow_dppo_options<>;
 }  // namespace unirl::algo
 
-BOOST_HANA_ADAPT_STRUCT(unirl::algo::flow_dppo_options, delta, beta, adv_clip_max, timestep_fraction, advantage,
-                        sampler);
+// basic_flow_dppo_options is a template, so BOOST_HANA_ADAPT_STRUCT cannot adapt it: this is the table the
+// macro would generate (tests/static checks that it lists every member).
+namespace boost::hana {
+template <class S>
+struct accessors_impl<unirl::algo::basic_flow_dppo_options<S>> {
+#define UNIRL_MEMBER(name) \
+  make_pair(BOOST_HANA_STRING(#name), [](auto&& s) -> decltype(auto) { return (static_cast<decltype(s)&&>(s).name); })
+  static constexpr auto apply() {
+    return make_tuple(UNIRL_MEMBER(delta),
+                      UNIRL_MEMBER(beta),
+                      UNIRL_MEMBER(adv_clip_max),
+                      UNIRL_MEMBER(timestep_fraction),
+                      UNIRL_MEMBER(advantage),
+                      UNIRL_MEMBER(sampler));
+  }
+#undef UNIRL_MEMBER
+};
+}  // namespace boost::hana
 
 namespace unirl::algo {
 
 /// Flow-DPPO with the sampler policy `Sampler`.
 template <class Sampler = rollout::sde::flow_grpo>
-class flow_dppo : public flow::ratio_algorithm_base<flow_dppo_options, Sampler> {
-  using base = flow::ratio_algorithm_base<flow_dppo_options, Sampler>;
+class flow_dppo : public flow::ratio_algorithm_base<basic_flow_dppo_options<typename Sampler::options>, Sampler> {
+  using base = flow::ratio_algorithm_base<basic_flow_dppo_options<typename Sampler::options>, Sampler>;
 
  public:
   using typename base::options;

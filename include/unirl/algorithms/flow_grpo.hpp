@@ -31,14 +31,15 @@
 
 namespace unirl::algo {
 
-/// Options of `flow_grpo`.
-struct flow_grpo_options {
+/// Options of `flow_grpo<Sampler>`: `SamplerOptions` is `Sampler::options` (the sampler carries its own).
+template <class SamplerOptions = rollout::flow_sampler_options>
+struct basic_flow_grpo_options {
   double clip_range = 1e-4;        // eps of the ratio clip (mean-reduced log-probs)
   double adv_clip_max = 5.0;       // advantages clipped to [-adv_clip_max, adv_clip_max]
   double beta = 0.04;              // KL-to-reference coefficient; 0 builds no reference
   double timestep_fraction = 1.0;  // train on the first fraction of the stochastic steps
   flow_advantage_options advantage{};
-  rollout::flow_sampler_options sampler{};
+  SamplerOptions sampler{};        // the sampler's own options (`Sampler::options`)
 
   void validate(const std::string& p) const {
     options::require(clip_range > 0.0, p + "clip_range", clip_range, "> 0");
@@ -47,17 +48,35 @@ struct flow_grpo_options {
   }
 };
 
+/// The options of `flow_grpo` with any built-in sampler (their `options` are `flow_sampler_options`).
+using flow_grpo_options = basic_flow_grpo_options<>;
 }  // namespace unirl::algo
 
-BOOST_HANA_ADAPT_STRUCT(unirl::algo::flow_grpo_options, clip_range, adv_clip_max, beta, timestep_fraction, advantage,
-                        sampler);
+// basic_flow_grpo_options is a template, so BOOST_HANA_ADAPT_STRUCT cannot adapt it: this is the table the
+// macro would generate (tests/static checks that it lists every member).
+namespace boost::hana {
+template <class S>
+struct accessors_impl<unirl::algo::basic_flow_grpo_options<S>> {
+#define UNIRL_MEMBER(name) \
+  make_pair(BOOST_HANA_STRING(#name), [](auto&& s) -> decltype(auto) { return (static_cast<decltype(s)&&>(s).name); })
+  static constexpr auto apply() {
+    return make_tuple(UNIRL_MEMBER(clip_range),
+                      UNIRL_MEMBER(adv_clip_max),
+                      UNIRL_MEMBER(beta),
+                      UNIRL_MEMBER(timestep_fraction),
+                      UNIRL_MEMBER(advantage),
+                      UNIRL_MEMBER(sampler));
+  }
+#undef UNIRL_MEMBER
+};
+}  // namespace boost::hana
 
 namespace unirl::algo {
 
 /// Flow-GRPO with the sampler policy `Sampler` (see the file comment).
 template <class Sampler = rollout::sde::flow_grpo>
-class flow_grpo : public flow::ratio_algorithm_base<flow_grpo_options, Sampler> {
-  using base = flow::ratio_algorithm_base<flow_grpo_options, Sampler>;
+class flow_grpo : public flow::ratio_algorithm_base<basic_flow_grpo_options<typename Sampler::options>, Sampler> {
+  using base = flow::ratio_algorithm_base<basic_flow_grpo_options<typename Sampler::options>, Sampler>;
 
  public:
   using typename base::options;

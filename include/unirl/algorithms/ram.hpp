@@ -37,15 +37,16 @@
 
 namespace unirl::algo {
 
-/// Options of `ram`.
-struct ram_options {
+/// Options of `ram<Sampler>`: `SamplerOptions` is `Sampler::options` (the sampler carries its own).
+template <class SamplerOptions = rollout::flow_sampler_options>
+struct basic_ram_options {
   double multiplier = 1.0;        // m: reward multiplier (1 / lambda of the KL-regularised objective)
   std::int64_t draws = 4;         // (t, eps) pairs per endpoint
   double ema_decay = 0.9;         // EMA of the policy that draws rollouts and gives v_old
   bool reward_weighted = false;   // true: the seed's mse * (1 + alpha r) baseline instead of RAM
   double alpha = 1.0;             // weight of the reward in the reward_weighted baseline
   flow_advantage_options advantage{};
-  rollout::flow_sampler_options sampler{};
+  SamplerOptions sampler{};        // the sampler's own options (`Sampler::options`)
 
   void validate(const std::string& p) const {
     options::require(multiplier >= 0.0, p + "multiplier", multiplier, ">= 0");
@@ -54,18 +55,37 @@ struct ram_options {
   }
 };
 
+/// The options of `ram` with any built-in sampler (their `options` are `flow_sampler_options`).
+using ram_options = basic_ram_options<>;
 }  // namespace unirl::algo
 
-BOOST_HANA_ADAPT_STRUCT(unirl::algo::ram_options, multiplier, draws, ema_decay, reward_weighted, alpha, advantage,
-                        sampler);
+// basic_ram_options is a template, so BOOST_HANA_ADAPT_STRUCT cannot adapt it: this is the table the
+// macro would generate (tests/static checks that it lists every member).
+namespace boost::hana {
+template <class S>
+struct accessors_impl<unirl::algo::basic_ram_options<S>> {
+#define UNIRL_MEMBER(name) \
+  make_pair(BOOST_HANA_STRING(#name), [](auto&& s) -> decltype(auto) { return (static_cast<decltype(s)&&>(s).name); })
+  static constexpr auto apply() {
+    return make_tuple(UNIRL_MEMBER(multiplier),
+                      UNIRL_MEMBER(draws),
+                      UNIRL_MEMBER(ema_decay),
+                      UNIRL_MEMBER(reward_weighted),
+                      UNIRL_MEMBER(alpha),
+                      UNIRL_MEMBER(advantage),
+                      UNIRL_MEMBER(sampler));
+  }
+#undef UNIRL_MEMBER
+};
+}  // namespace boost::hana
 
 namespace unirl::algo {
 
 /// RAM with rollouts drawn by `Sampler` (deterministic ODE by default; `sde::ddim` with
 /// `ddim_eta = 0` for DDPM models).
 template <class Sampler = rollout::ode::euler>
-class ram : public flow::algorithm_base<ram_options, Sampler, true> {
-  using base = flow::algorithm_base<ram_options, Sampler, true>;
+class ram : public flow::algorithm_base<basic_ram_options<typename Sampler::options>, Sampler, true> {
+  using base = flow::algorithm_base<basic_ram_options<typename Sampler::options>, Sampler, true>;
 
  public:
   using typename base::options;

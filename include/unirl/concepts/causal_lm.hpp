@@ -59,6 +59,19 @@ concept PrefixSharingCausalLM = CausalLM<M> &&
       { m.select_cache(c, index) } -> std::same_as<typename M::cache_type>;
     };
 
+/// A `CausalLM` whose logits are its final hidden states times an LM head without bias:
+/// `hidden_states(ids, mask)` (B, L, D) and `lm_head_weight()` (V, D), with
+/// `logits(ids, mask) == hidden_states(ids, mask) @ lm_head_weight()^T`. The update's log-probs
+/// (`rollout::update_logprob`) then run the head and the log-softmax in row chunks
+/// (`ops::linear_logprob`) and never hold the (B, L, V) logits — at a 150k vocabulary those are
+/// larger than the model. The packed and shared-prompt layouts use `hidden_states_packed(ids,
+/// positions, segments)` and `hidden_states_cached(ids, mask, cache)` likewise when the model has them.
+template <class M>
+concept HiddenStateCausalLM = CausalLM<M> && requires(const M& m, const torch::Tensor& t) {
+  { m.hidden_states(t, t) } -> std::same_as<torch::Tensor>;
+  { m.lm_head_weight() } -> std::same_as<torch::Tensor>;
+};
+
 /// A value model for PPO on the token track: `values(ids, mask)` gives (B, L), V of each prefix.
 template <class C>
 concept TokenCritic = TrainableModule<C> && requires(const C& c, const torch::Tensor& t) {

@@ -70,7 +70,15 @@ concept HasImages = requires(const B& b) {
   { b.samples() } -> std::convertible_to<torch::Tensor>;
 };
 
+/// A batch that knows each completion's length in tokens: a `lengths()` method giving a (B,)
+/// integer tensor (the token track's `token_rollout`), or a `completion_lengths` member, a (B,)
+/// integer tensor or a `std::vector` of integers.
+template <class B>
+concept HasCompletionLengths = requires(const B& b) { b.completion_lengths; } ||
+                               requires(const B& b) { { b.lengths() } -> std::convertible_to<torch::Tensor>; };
+
 namespace rewards {
+using unirl::HasCompletionLengths;
 using unirl::HasCompletions;
 using unirl::HasImages;
 using unirl::HasPrompts;

@@ -24,10 +24,12 @@
 #include <cmath>
 #include <concepts>
 #include <cstdint>
+#include <cstdio>
 #include <fstream>
 #include <limits>
 #include <map>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 #include <string_view>
 #include <type_traits>
@@ -111,6 +113,11 @@ struct is_struct_list : std::false_type {};
 template <class T, class A>
 struct is_struct_list<std::vector<T, A>> : std::bool_constant<is_reflectable<T>> {};
 
+// JSON text for messages: invalid UTF-8 (a YAML recipe may carry any bytes) is replaced, not thrown.
+inline std::string dump_text(const nlohmann::json& j) {
+  return j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+}
+
 inline std::string join(const std::string& prefix, const char* name) {
   return prefix.empty() ? std::string(name) : prefix + "." + name;
 }
@@ -154,13 +161,21 @@ void parse_text(T& out, const std::string& key, const std::string& text) {
     for (std::size_t i = 0; i < enum_names<T>.size(); ++i)
       if (enum_names<T>[i] == text) { out = static_cast<T>(i); return; }
     bad(" (expected one of: " + enum_choices<T>() + ")");
+  } else if constexpr (std::is_integral_v<T> && std::is_unsigned_v<T>) {
+    // stoull would wrap "-1" around to the largest value: a sign is refused here.
+    std::size_t pos = 0;
+    unsigned long long v = 0;
+    if (text.find('-') != std::string::npos) bad(" (out of the type's range)");
+    try { v = std::stoull(text, &pos); } catch (const std::out_of_range&) { bad(" (out of the type's range)"); } catch (...) { bad(""); }
+    if (pos != text.size()) bad("");
+    if (v > static_cast<unsigned long long>(std::numeric_limits<T>::max())) bad(" (out of the type's range)");
+    out = static_cast<T>(v);
   } else if constexpr (std::is_integral_v<T>) {
     std::size_t pos = 0;
     long long v = 0;
-    try { v = std::stoll(text, &pos); } catch (...) { bad(""); }
+    try { v = std::stoll(text, &pos); } catch (const std::out_of_range&) { bad(" (out of the type's range)"); } catch (...) { bad(""); }
     if (pos != text.size()) bad("");
-    if (v < static_cast<long long>(std::numeric_limits<T>::min()) ||
-        (v > 0 && static_cast<unsigned long long>(v) > static_cast<unsigned long long>(std::numeric_limits<T>::max())))
+    if (v < static_cast<long long>(std::numeric_limits<T>::min()) || v > static_cast<long long>(std::numeric_limits<T>::max()))
       bad(" (out of the type's range)");
     out = static_cast<T>(v);
   } else if constexpr (std::is_floating_point_v<T>) {
@@ -168,6 +183,8 @@ void parse_text(T& out, const std::string& key, const std::string& text) {
     double v = 0;
     try { v = std::stod(text, &pos); } catch (...) { bad(""); }
     if (pos != text.size()) bad("");
+    // A finite double beyond float's range cannot be converted (undefined behaviour).
+    if (std::isfinite(v) && std::abs(v) > static_cast<double>(std::numeric_limits<T>::max())) bad(" (out of the type's range)");
     out = static_cast<T>(v);
   } else if constexpr (std::is_same_v<T, std::string>) {
     out = text;
@@ -199,7 +216,7 @@ nlohmann::json to_json_value(const T& v);
 template <class T>
 std::string value_text(const T& v) {
   if constexpr (std::is_same_v<T, bool>) return v ? "true" : "false";
-  else if constexpr (is_reflectable<T>) return to_json_value(v).dump();
+  else if constexpr (is_reflectable<T>) return dump_text(to_json_value(v));
   else if constexpr (std::is_enum_v<T>) return std::string(enum_to_string(v));
   else if constexpr (std::is_same_v<T, std::string>) return "\"" + v + "\"";
   else if constexpr (is_vector<T>::value) {
@@ -263,7 +280,7 @@ template <class T>
   requires is_reflectable<T>
 void from_json_object(T& out, const nlohmann::json& j, const std::string& prefix) {
   if (!j.is_object())
-    throw config_error(prefix.empty() ? "<root>" : prefix, "expected an object, got " + j.dump());
+    throw config_error(prefix.empty() ? "<root>" : prefix, "expected an object, got " + dump_text(j));
   for (auto it = j.begin(); it != j.end(); ++it) {
     bool found = false;
     boost::hana::for_each(boost::hana::accessors<T>(), [&](auto pair) {
@@ -286,7 +303,7 @@ void from_json_object(T& out, const nlohmann::json& j, const std::string& prefix
 template <class T>
 void from_json_value(T& out, const nlohmann::json& j, const std::string& key) {
   auto wrong = [&] {
-    throw config_error(key, std::string("expected ") + type_name<T>() + ", got " + j.dump());
+    throw config_error(key, std::string("expected ") + type_name<T>() + ", got " + dump_text(j));
   };
   if constexpr (is_reflectable<T>) {
     from_json_object(out, j, key);
@@ -297,13 +314,20 @@ void from_json_value(T& out, const nlohmann::json& j, const std::string& key) {
     if (!j.is_string()) wrong();
     parse_text(out, key, j.get<std::string>());
   } else if constexpr (std::is_integral_v<T>) {
-    if (j.is_number_integer()) parse_text(out, key, std::to_string(j.get<long long>()));
-    else if (j.is_number_float() && std::trunc(j.get<double>()) == j.get<double>())
-      parse_text(out, key, std::to_string(static_cast<long long>(j.get<double>())));
-    else wrong();
+    // Through the text path, which range-checks (a double such as 1e19 is not cast to long long).
+    if (j.is_number_unsigned()) parse_text(out, key, std::to_string(j.get<unsigned long long>()));
+    else if (j.is_number_integer()) parse_text(out, key, std::to_string(j.get<long long>()));
+    else if (j.is_number_float() && std::trunc(j.get<double>()) == j.get<double>()) {
+      char text[400];
+      std::snprintf(text, sizeof text, "%.0f", j.get<double>());
+      parse_text(out, key, text);
+    } else wrong();
   } else if constexpr (std::is_floating_point_v<T>) {
     if (!j.is_number()) wrong();
-    out = static_cast<T>(j.get<double>());
+    const double v = j.get<double>();
+    if (std::isfinite(v) && std::abs(v) > static_cast<double>(std::numeric_limits<T>::max()))
+      throw config_error(key, "value " + dump_text(j) + " is out of the range of the option's floating-point type");
+    out = static_cast<T>(v);
   } else if constexpr (std::is_same_v<T, std::string>) {
     if (!j.is_string()) wrong();
     out = j.get<std::string>();

@@ -234,21 +234,34 @@ logprob_result token_logprob(const torch::Tensor& logits, const torch::Tensor& t
 namespace detail {
 
 // The LM head and the log-probabilities in row chunks: forward keeps only (N,) results, and the
-// backward recomputes each chunk's logits, so memory is O(chunk * V) instead of O(N * V).
+// backward recomputes each chunk's logits, so memory is O(chunk * V) instead of O(N * V). Two
+// (chunk, V) buffers serve every chunk, and the head's gradient accumulates in place
+// (addmm_), so no (V, D) temporary is made per chunk.
 struct chunked_linear_logprob : torch::autograd::Function<chunked_linear_logprob> {
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, torch::Tensor hidden,
                                                 torch::Tensor weight, torch::Tensor targets, std::int64_t chunk) {
     torch::NoGradGuard no_grad;
-    const auto n = hidden.size(0);
+    const auto n = hidden.size(0), v = weight.size(0);
     auto logp = torch::empty({n}, hidden.options());
     auto ent = torch::empty({n}, hidden.options());
+    auto lse = torch::empty({n}, hidden.options());
+    const auto rows = std::max<std::int64_t>(1, std::min(chunk, n));
+    auto x_buf = torch::empty({rows, v}, hidden.options()), l_buf = torch::empty({rows, v}, hidden.options());
+    const auto wt = weight.t();
     for (std::int64_t lo = 0; lo < n; lo += chunk) {
       const auto hi = std::min(n, lo + chunk);
-      const auto r = logprob_reference(torch::matmul(hidden.slice(0, lo, hi), weight.t()), targets.slice(0, lo, hi));
-      logp.slice(0, lo, hi).copy_(r.logp);
-      ent.slice(0, lo, hi).copy_(r.entropy);
+      auto x = x_buf.slice(0, 0, hi - lo), l = l_buf.slice(0, 0, hi - lo);
+      const auto t = targets.slice(0, lo, hi).unsqueeze(1);
+      torch::mm_out(x, hidden.slice(0, lo, hi), wt);               // logits
+      at::_log_softmax_out(l, x, 1, false);                        // log p
+      const auto lp = l.gather(1, t).squeeze(1);
+      logp.slice(0, lo, hi).copy_(lp);
+      lse.slice(0, lo, hi).copy_(x.gather(1, t).squeeze(1) - lp);  // log-sum-exp = logit_t - log p_t
+      torch::exp_out(x, l).mul_(l);                                // p log p
+      auto e = ent.slice(0, lo, hi);
+      torch::sum_out(e, x, {1}).neg_();
     }
-    ctx->save_for_backward({hidden, weight, targets});
+    ctx->save_for_backward({hidden, weight, targets, lse, ent});
     ctx->saved_data["chunk"] = chunk;
     return {logp, ent};
   }
@@ -256,23 +269,30 @@ struct chunked_linear_logprob : torch::autograd::Function<chunked_linear_logprob
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     const auto saved = ctx->get_saved_variables();
-    const auto &hidden = saved[0], &weight = saved[1], &targets = saved[2];
+    const auto &hidden = saved[0], &weight = saved[1], &targets = saved[2], &lse = saved[3], &ent = saved[4];
     const auto chunk = ctx->saved_data["chunk"].toInt();
-    const auto n = hidden.size(0);
+    const auto n = hidden.size(0), v = weight.size(0);
     const auto g_logp = grads[0].defined() ? grads[0] : torch::zeros({n}, hidden.options());
     const auto g_ent = grads[1].defined() ? grads[1] : torch::zeros({n}, hidden.options());
-    auto g_hidden = torch::zeros_like(hidden);
+    // d logp_t / dx_j = [j = t] - p_j ;  d H / dx_j = -p_j (log p_j + H), so with a = g_ent and
+    // b = g_logp + g_ent H per row: d/dx_j = -p_j (a log p_j + b) + [j = t] g_logp.
+    const auto a = g_ent.unsqueeze(1), b = (g_logp + g_ent * ent).unsqueeze(1);
+    auto g_hidden = torch::empty_like(hidden);
     auto g_weight = torch::zeros_like(weight);
+    const auto rows = std::max<std::int64_t>(1, std::min(chunk, n));
+    auto x_buf = torch::empty({rows, v}, hidden.options()), p_buf = torch::empty({rows, v}, hidden.options());
+    const auto wt = weight.t();
     for (std::int64_t lo = 0; lo < n; lo += chunk) {
       const auto hi = std::min(n, lo + chunk);
+      auto x = x_buf.slice(0, 0, hi - lo), p = p_buf.slice(0, 0, hi - lo);
       const auto h = hidden.slice(0, lo, hi);
-      const auto lsm = torch::log_softmax(torch::matmul(h, weight.t()), -1);  // (c, V)
-      const auto p = lsm.exp();
-      const auto ent = -(p * lsm).sum(-1, /*keepdim=*/true);
-      auto g_logits = -g_logp.slice(0, lo, hi).unsqueeze(1) * p - g_ent.slice(0, lo, hi).unsqueeze(1) * p * (lsm + ent);
-      g_logits.scatter_add_(1, targets.slice(0, lo, hi).unsqueeze(1), g_logp.slice(0, lo, hi).unsqueeze(1));
-      g_hidden.slice(0, lo, hi).copy_(torch::matmul(g_logits, weight));
-      g_weight.add_(torch::matmul(g_logits.t(), h));
+      torch::mm_out(x, h, wt).sub_(lse.slice(0, lo, hi).unsqueeze(1));  // log p
+      torch::exp_out(p, x);
+      x.mul_(a.slice(0, lo, hi)).add_(b.slice(0, lo, hi)).mul_(p).neg_();  // d/dx without the target term
+      x.scatter_add_(1, targets.slice(0, lo, hi).unsqueeze(1), g_logp.slice(0, lo, hi).unsqueeze(1));
+      auto gh = g_hidden.slice(0, lo, hi);
+      torch::mm_out(gh, x, weight);
+      g_weight.addmm_(x.t(), h);
     }
     return {g_hidden, g_weight, torch::Tensor(), torch::Tensor()};
   }

@@ -46,6 +46,7 @@
 #include <unirl/rollout/token_sampler.hpp>
 #include <unirl/tokenizers/bpe.hpp>
 #include <unirl/tokenizers/chat.hpp>
+#include <unirl/train/run_directory.hpp>
 #include <unirl/trainer.hpp>
 
 namespace unirl::recipes {
@@ -267,30 +268,6 @@ inline reward_type make_reward(const reward_recipe& r) {
                      std::move(remote)};
 }
 
-// Checkpoints of a run: <out>/checkpoints/step-<n>.pt, complete ones only (the trainer writes
-// atomically), newest last.
-inline std::vector<std::filesystem::path> checkpoints(const std::filesystem::path& out) {
-  std::vector<std::pair<std::int64_t, std::filesystem::path>> found;
-  const auto dir = out / "checkpoints";
-  if (!std::filesystem::is_directory(dir)) return {};
-  static const std::regex name(R"(step-(\d{1,12})\.pt)");
-  for (const auto& e : std::filesystem::directory_iterator(dir)) {
-    std::smatch m;
-    const auto file = e.path().filename().string();
-    if (e.is_regular_file() && std::regex_match(file, m, name)) found.emplace_back(std::stoll(m[1].str()), e.path());
-  }
-  std::sort(found.begin(), found.end());
-  std::vector<std::filesystem::path> out_paths;
-  for (auto& f : found) out_paths.push_back(f.second);
-  return out_paths;
-}
-
-inline std::string step_name(std::int64_t step) {
-  std::ostringstream os;
-  os << "step-" << std::setw(8) << std::setfill('0') << step << ".pt";
-  return os.str();
-}
-
 }  // namespace detail
 
 /// Greedy accuracy of `model` on `records` under the recipe's prompt format and answer reward
@@ -385,19 +362,18 @@ run_result run_with(const token_recipe& r) {
   res.accuracy_before = greedy_accuracy(model, r, tok, eval);
   trainer_t t{std::move(model), make_reward(r.reward), topts};
 
-  const auto existing = checkpoints(out);
-  if (r.checkpoint.resume && !existing.empty()) {
-    t.load(existing.back().string(), train_data);
-    res.first_step = t.step_count();
-    std::cout << "resumed from " << existing.back().filename().string() << " at step " << res.first_step << "\n";
+  // <out>/checkpoints/step-<n>.pt: the latest complete one resumes (a damaged newer one is skipped
+  // with a warning), the newest `keep` are kept.
+  const train::run_directory run_dir(out, {.keep = r.checkpoint.keep});
+  if (r.checkpoint.resume) {
+    run_dir.remove_temporaries();
+    if (const auto last = run_dir.latest()) {
+      t.load(last->path.string(), train_data);
+      res.first_step = t.step_count();
+      std::cout << "resumed from " << last->path.filename().string() << " at step " << res.first_step << "\n";
+    }
   }
-  auto save = [&] {
-    const auto path = out / "checkpoints" / step_name(t.step_count());
-    t.save(path.string(), train_data);
-    auto all = checkpoints(out);
-    for (std::size_t i = 0; i + static_cast<std::size_t>(r.checkpoint.keep) < all.size(); ++i)
-      std::filesystem::remove(all[i]);
-  };
+  auto save = [&] { run_dir.save(t.step_count(), [&](const std::string& path) { t.save(path, train_data); }); };
   for (std::int64_t step = t.step_count(); step < r.steps; ++step) {
     prompt_batch in{.decode = tok.decoder(), .pad_id = tok.pad_id()};
     for (const auto& rec : train_data.next(r.prompts_per_step)) {

@@ -677,8 +677,9 @@ inline std::optional<double> parse_retry_after(const std::string& v) {
   std::tm tm{};
   const char* end = ::strptime(t.c_str(), "%a, %d %b %Y %H:%M:%S GMT", &tm);
   if (end == nullptr || *end != '\0') return std::nullopt;
-  const auto when = std::chrono::system_clock::from_time_t(::timegm(&tm));
-  return std::max(0.0, std::chrono::duration<double>(when - std::chrono::system_clock::now()).count());
+  // In seconds (time_t): a date after 2262 does not fit system_clock's nanoseconds (signed overflow).
+  const std::time_t when = ::timegm(&tm);
+  return std::max(0.0, std::difftime(when, std::time(nullptr)));
 }
 }  // namespace detail
 

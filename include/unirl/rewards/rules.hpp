@@ -54,12 +54,7 @@ inline constexpr std::array unirl::enum_names<unirl::rewards::box_format>{std::s
 
 namespace unirl::rewards {
 
-/// A batch that knows each completion's length in tokens: a `lengths()` method giving a (B,)
-/// integer tensor (the token track's `token_rollout`), or a `completion_lengths` member, a (B,)
-/// integer tensor or a `std::vector` of integers.
-template <class B>
-concept HasCompletionLengths = requires(const B& b) { b.completion_lengths; } ||
-                               requires(const B& b) { { b.lengths() } -> std::convertible_to<torch::Tensor>; };
+using unirl::HasCompletionLengths;
 
 namespace detail {
 inline std::string trim(std::string_view s) {
@@ -252,7 +247,7 @@ struct overlong_options {
 BOOST_HANA_ADAPT_STRUCT(unirl::rewards::overlong_options, max_length, cache_length, unit);
 namespace unirl::rewards {
 
-/// DAPO's soft overlong penalty (arXiv 2503.14476, ALGORITHMS.md §2), for a length L:
+/// DAPO's soft overlong penalty (arXiv 2503.14476, docs/algorithms/grpo.md), for a length L:
 /// 0 if L <= L_max - L_cache; ((L_max - L_cache) - L) / L_cache if L_max - L_cache < L <= L_max;
 /// -1 beyond L_max. Add it to the task reward with weight 1.
 struct overlong_penalty {

@@ -46,7 +46,9 @@ inline constexpr std::array unirl::enum_names<unirl::rollout::logprob_reduction>
 
 namespace unirl::rollout {
 
-/// Options of every flow-track sampler; each sampler reads the fields it documents.
+/// Options of the built-in flow-track samplers (each one's `options`); each reads the fields it
+/// documents. A sampler of one's own carries its own `options` type, which the flow algorithms'
+/// `sampler` option then holds (`typename Sampler::options`).
 struct flow_sampler_options {
   std::int64_t steps = 10;       // denoising steps K
   double noise_level = 0.7;      // a: Flow-GRPO sigma_t = a sqrt(t/(1-t)); CPS std = t_next sin(a pi/2)
@@ -145,8 +147,9 @@ inline std::vector<double> flow_grid(std::int64_t steps, double shift) {
 
 // Common part of the velocity samplers.
 struct velocity_sampler_base {
+  using options = flow_sampler_options;  // what the algorithms' `sampler` option holds for it
   flow_sampler_options opts;
-  explicit velocity_sampler_base(const flow_sampler_options& o) : opts(o) { options::validate(opts); }
+  explicit velocity_sampler_base(const flow_sampler_options& o) : opts(o) { unirl::options::validate(opts); }
 
   template <models::VelocityModel M>
   torch::Tensor predict(M& m, const torch::Tensor& x, double t, const torch::Tensor& cond) const {
@@ -199,8 +202,9 @@ struct dance : detail::velocity_sampler_base {
 /// DDIM with eta for noise-prediction (DDPM) models. Timesteps are indices
 /// `(K-1-k) T/K`, k = 0..K-1, then `-T/K` (abar = 1: the last step is deterministic).
 struct ddim {
+  using options = flow_sampler_options;  // what the algorithms' `sampler` option holds for it
   flow_sampler_options opts;
-  explicit ddim(const flow_sampler_options& o = {}) : opts(o) { options::validate(opts); }
+  explicit ddim(const flow_sampler_options& o = {}) : opts(o) { unirl::options::validate(opts); }
 
   template <models::NoiseModel M>
   torch::Tensor predict(M& m, const torch::Tensor& x, double t, const torch::Tensor& cond) const {

@@ -9,8 +9,12 @@
 /// auto [logp, ent] = unirl::rollout::token_logprob(logits, targets); // (B, L) each
 /// auto [lp, e] = unirl::rollout::update_logprob(model, batch, 1.0, true, unirl::rollout::update_layout::packed);
 /// ```
+/// A `HiddenStateCausalLM` (e.g. `models::hf::causal_lm`) never materialises the (B, T, V) logits
+/// here: its head runs in row chunks through `ops::linear_logprob` (`head_logprob`).
 /// The names are also reachable as `unirl::models::token_logprob` etc. (their former home).
+#include <algorithm>
 #include <array>
+#include <concepts>
 #include <cstdint>
 #include <string_view>
 #include <utility>
@@ -43,13 +47,50 @@ std::pair<torch::Tensor, torch::Tensor> token_logprob(const torch::Tensor& logit
   return {r.logp.view(targets.sizes()), with_entropy ? r.entropy.view(targets.sizes()) : torch::Tensor()};
 }
 
+/// Rows per chunk of the LM head in `head_logprob`: about 2^25 logits (128 MB in float) at a time.
+inline std::int64_t lm_head_chunk_rows(std::int64_t vocab) {
+  return std::max<std::int64_t>(1, (std::int64_t{1} << 25) / std::max<std::int64_t>(vocab, 1));
+}
+
+/// Whether the update's log-probs take the hidden states of `model`: a `HiddenStateCausalLM` with
+/// float weights (other dtypes keep the materialised logits, upcast to float).
+template <CausalLM M>
+bool uses_hidden_states(const M& model) {
+  if constexpr (HiddenStateCausalLM<M>) {
+    return model.lm_head_weight().scalar_type() == torch::kFloat;
+  } else {
+    return false;
+  }
+}
+
+/// `token_logprob(hidden @ weight^T, targets, temperature)` without the logits: the LM head and
+/// the log-softmax run `chunk` rows at a time (0: `lm_head_chunk_rows(V)`; `ops::linear_logprob`),
+/// forward and backward. hidden (..., D), weight (V, D), targets (...) int64 -> ((...), (...)) float.
+inline std::pair<torch::Tensor, torch::Tensor> head_logprob(const torch::Tensor& hidden, const torch::Tensor& weight,
+                                                            const torch::Tensor& targets, double temperature = 1.0,
+                                                            bool with_entropy = true, std::int64_t chunk = 0) {
+  UNIRL_CHECK(hidden.dim() == targets.dim() + 1, "head_logprob: hidden ", hidden.sizes(),
+              " must have one more dimension than targets ", targets.sizes());
+  UNIRL_CHECK(temperature > 0.0, "head_logprob: temperature = ", temperature, ": expected > 0");
+  const auto h = temperature == 1.0 ? hidden : hidden / temperature;  // (h W^T) / t = (h / t) W^T
+  const auto r = ops::linear_logprob(h.reshape({-1, h.size(-1)}), weight, targets.reshape({-1}).to(torch::kInt64),
+                                     chunk > 0 ? chunk : lm_head_chunk_rows(weight.size(0)));
+  return {r.logp.view(targets.sizes()), with_entropy ? r.entropy.view(targets.sizes()) : torch::Tensor()};
+}
+
 /// Log-probabilities (and entropies) of a rollout's completion tokens under `model`, computed
-/// with the full forward over prompt + completion (the training geometry): (B, T) each.
+/// with the full forward over prompt + completion (the training geometry): (B, T) each. A
+/// `HiddenStateCausalLM` runs its head on the completion positions only, in chunks (`head_logprob`).
 template <ExecutionPolicy Exec = exec::automatic, CausalLM M>
 std::pair<torch::Tensor, torch::Tensor> completion_logprob(const M& model, const token_rollout& b,
                                                            double temperature = 1.0, bool with_entropy = true) {
   const auto P = b.prompt_ids.size(1), T = b.completion_ids.size(1);
   const auto ids = b.full_ids(), mask = b.full_mask();
+  if constexpr (HiddenStateCausalLM<M>)
+    if (uses_hidden_states(model)) {
+      const auto h = model.hidden_states(ids.slice(1, 0, P + T - 1), mask.slice(1, 0, P + T - 1)).slice(1, P - 1);
+      return head_logprob(h, model.lm_head_weight(), b.completion_ids, temperature, with_entropy);
+    }
   // Logits at position i predict token i+1: completion token t is predicted at P-1+t.
   const auto logits = model.logits(ids.slice(1, 0, P + T - 1), mask.slice(1, 0, P + T - 1)).slice(1, P - 1, P + T - 1);
   return token_logprob<Exec>(logits, b.completion_ids, temperature, with_entropy);
@@ -61,6 +102,15 @@ template <ExecutionPolicy Exec = exec::automatic, PackedCausalLM M>
 std::pair<torch::Tensor, torch::Tensor> packed_completion_logprob(const M& model, const token_rollout& b,
                                                                   double temperature = 1.0, bool with_entropy = true) {
   const auto p = pack_rollout(b);
+  if constexpr (HiddenStateCausalLM<M> && requires(const M& m, const torch::Tensor& t) {
+                  { m.hidden_states_packed(t, t, t) } -> std::same_as<torch::Tensor>;
+                })
+    if (uses_hidden_states(model)) {
+      const auto h = p.predictors(model.hidden_states_packed(p.ids, p.positions, p.segments));  // (C, D)
+      auto [logp, ent] = head_logprob(h, model.lm_head_weight(), p.ids.select(0, 0).index_select(0, p.completion_index),
+                                      temperature, with_entropy);
+      return {p.unpack(logp), with_entropy ? p.unpack(ent) : torch::Tensor{}};
+    }
   const auto logits = p.predictors(model.logits_packed(p.ids, p.positions, p.segments));  // (C, V)
   auto [logp, ent] = token_logprob<Exec>(logits, p.ids.select(0, 0).index_select(0, p.completion_index),
                                          temperature, with_entropy);
@@ -82,6 +132,20 @@ std::pair<torch::Tensor, torch::Tensor> shared_prompt_completion_logprob(const M
   const auto d = find_distinct_prompts(b);
   if (d.count() == b.size()) return completion_logprob<Exec>(model, b, temperature, with_entropy);
   auto cache = model.make_cache(d.count(), P + T);
+  if constexpr (HiddenStateCausalLM<M> && requires(const M& m, const torch::Tensor& t, typename M::cache_type& c) {
+                  { m.hidden_states_cached(t, t, c) } -> std::same_as<torch::Tensor>;
+                })
+    if (uses_hidden_states(model)) {  // the same, on hidden states (B, T, D), then the chunked head
+      torch::Tensor h = model.hidden_states_cached(d.ids, d.mask, cache).select(1, P - 1).index_select(0, d.inverse);
+      h = h.unsqueeze(1);
+      if (T > 1) {
+        auto shared = model.select_cache(cache, d.inverse);
+        h = torch::cat({h, model.hidden_states_cached(b.completion_ids.slice(1, 0, T - 1),
+                                                      b.completion_mask.slice(1, 0, T - 1), shared)},
+                       1);
+      }
+      return head_logprob(h, model.lm_head_weight(), b.completion_ids, temperature, with_entropy);
+    }
   const auto first = model.logits_cached(d.ids, d.mask, cache).select(1, P - 1).index_select(0, d.inverse);  // (B, V)
   torch::Tensor logits = first.unsqueeze(1);
   if (T > 1) {
@@ -93,7 +157,8 @@ std::pair<torch::Tensor, torch::Tensor> shared_prompt_completion_logprob(const M
   return token_logprob<Exec>(logits, b.completion_ids, temperature, with_entropy);
 }
 
-/// How the update forward lays out a minibatch (all give the same log-probabilities):
+/// How the update forward lays out a minibatch (all give the same log-probabilities; a
+/// `HiddenStateCausalLM` runs its LM head in chunks in each):
 /// `padded` — prompt + completion rows with padding; `packed` — sequence packing
 /// (`PackedCausalLM`); `shared_prompt` — each distinct prompt once (`PrefixSharingCausalLM`).
 enum class update_layout { padded, packed, shared_prompt };
@@ -129,6 +194,7 @@ std::pair<torch::Tensor, torch::Tensor> update_logprob(const M& model, const tok
 namespace unirl::models {
 // Former home of these names (models/causal_lm.hpp); kept so existing code compiles unchanged.
 using rollout::completion_logprob;
+using rollout::head_logprob;
 using rollout::packed_completion_logprob;
 using rollout::shared_prompt_completion_logprob;
 using rollout::token_logprob;

@@ -11,6 +11,7 @@
 /// // batch.completion_ids (4, T), batch.completion_mask (4, T), batch.old_logp (4, T)
 /// ```
 #include <algorithm>
+#include <concepts>
 #include <cstdint>
 #include <limits>
 #include <utility>
@@ -88,19 +89,29 @@ token_rollout sample_tokens(const M& model, const prompt_batch& in, std::int64_t
   pmask = pmask.to(device);
   const auto B = pids.size(0), P = pids.size(1), T = s.max_new_tokens;
 
+  // The prompt's last logits (b, V). A model with hidden states runs its LM head on that
+  // position only: at a 150k vocabulary the head over the whole prompt costs more than the layers.
+  auto prompt_logits = [&](const torch::Tensor& ids, const torch::Tensor& mask, typename M::cache_type& c) {
+    if constexpr (HiddenStateCausalLM<M> && requires(typename M::cache_type& cc, const torch::Tensor& t) {
+                    { model.hidden_states_cached(t, t, cc) } -> std::same_as<torch::Tensor>;
+                  })
+      return torch::matmul(model.hidden_states_cached(ids, mask, c).select(1, P - 1), model.lm_head_weight().t());
+    else
+      return model.logits_cached(ids, mask, c).select(1, P - 1);
+  };
   // The prompt's prefill runs once per group when the model's cache rows can be shared.
   auto prefill = [&] {
     if constexpr (PrefixSharingCausalLM<M>) {
       if (group_size > 1) {
         const auto one = torch::arange(in.size(), torch::TensorOptions(torch::kInt64).device(device)) * group_size;
         auto c = model.make_cache(in.size(), P + T);
-        const auto l = model.logits_cached(pids.index_select(0, one), pmask.index_select(0, one), c).select(1, P - 1);
+        const auto l = prompt_logits(pids.index_select(0, one), pmask.index_select(0, one), c);
         const auto rows = torch::arange(B, torch::TensorOptions(torch::kInt64).device(device)).div(group_size, "floor");
         return std::pair{l.index_select(0, rows), model.select_cache(c, rows)};
       }
     }
     auto c = model.make_cache(B, P + T);
-    auto l = model.logits_cached(pids, pmask, c).select(1, P - 1);
+    auto l = prompt_logits(pids, pmask, c);
     return std::pair{l, std::move(c)};
   };
   auto [logits, cache] = prefill();  // (B, V), the cache after the prompts

@@ -27,6 +27,7 @@
 /// | 32 | n | payload: `torch::serialize::OutputArchive::save_to` bytes (a TorchScript zip) |
 #include <algorithm>
 #include <array>
+#include <cerrno>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -130,13 +131,19 @@ inline void write_file_synced(const std::string& path, const std::string& header
 #endif
 }
 
-// Makes a rename durable by syncing the directory that holds it (POSIX only; best effort).
+// Makes a rename durable by syncing the directory that holds it (POSIX only). Best effort where
+// the file system cannot sync a directory (EINVAL, ENOTSUP); an I/O error (EIO) throws: the
+// rename may not survive a power loss.
 inline void sync_directory(const std::filesystem::path& dir) {
 #if defined(UNIRL_CHECKPOINT_POSIX)
   const int fd = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY);
   if (fd >= 0) {
-    (void)::fsync(fd);
+    const int rc = ::fsync(fd);
+    const int err = errno;
     ::close(fd);
+    if (rc != 0 && err == EIO)
+      throw checkpoint_error("checkpoint directory '" + dir.string() + "': fsync after the rename failed: " +
+                             std::error_code(err, std::generic_category()).message());
   }
 #else
   (void)dir;
@@ -240,6 +247,8 @@ inline void read_checkpoint(const std::string& path,
     archive.load_from(payload, size);
   } catch (const c10::Error& e) {
     fail("the payload is not a readable archive: " + detail::torch_message(e));
+  } catch (const std::exception& e) {  // TorchScript's parser throws torch::jit::ErrorReport, not a c10::Error
+    fail(std::string("the payload is not a readable archive: ") + e.what());
   }
   try {
     read(archive);
@@ -249,6 +258,8 @@ inline void read_checkpoint(const std::string& path,
     fail(what);
   } catch (const c10::Error& e) {
     fail(detail::torch_message(e));
+  } catch (const std::exception& e) {  // e.g. torch::jit::ErrorReport from a record of a corrupted archive
+    fail(e.what());
   }
 }
 

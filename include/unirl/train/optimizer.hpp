@@ -189,8 +189,8 @@ class optimizer {
                              " parameter groups, this optimizer " + std::to_string(groups_.size()));
     auto& state = adamw_->state();
     // Parse everything first so that a mismatch leaves the current state untouched.
-    std::vector<std::pair<::unirl::detail::compat::optimizer_state_key, std::unique_ptr<torch::optim::OptimizerParamState>>>
-        restored;
+    using state_key = ::unirl::detail::compat::optimizer_state_key;
+    std::vector<std::pair<state_key, std::unique_ptr<torch::optim::OptimizerParamState>>> restored;
     for (std::size_t g = 0; g < groups_.size(); ++g) {
       const auto gk = "optimizer/g" + std::to_string(g);
       const auto gname = read_string(a, gk + "/name");

@@ -5,6 +5,7 @@
 #include <fstream>
 #include <iostream>
 #include <limits>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 #include <unirl/models/module_adapter.hpp>
@@ -53,13 +54,17 @@ nlohmann::json check_gradients(dp& par) {
 }
 
 // Returns a NaN score on one chosen call on the last rank only.
+// Also keeps the mean, min and max of this rank's last scores (the step statistics are all ranks').
 struct nan_on_last_rank {
   bool last = false;
   std::int64_t calls = 0;
+  std::vector<double> local{};  // mean, min, max of the last call's scores
   torch::Tensor operator()(const bandit::rollout& b) {
     auto r = bandit::correct_label{}(b);
     if (last && calls == 5) r[0] = std::numeric_limits<float>::quiet_NaN();
     ++calls;
+    const auto d = r.to(torch::kFloat64);
+    local = {d.mean().item<double>(), d.min().item<double>(), d.max().item<double>()};
     return r;
   }
 };
@@ -74,13 +79,16 @@ nlohmann::json train(dp par) {
                std::move(par));
   double first = 0, last = 0;
   const std::int64_t steps = 60, size = 32;
-  nlohmann::json skipped = nlohmann::json::array();
+  nlohmann::json skipped = nlohmann::json::array(), reported = nlohmann::json::array(),
+                 local = nlohmann::json::array();
   for (std::int64_t s = 0; s < steps; ++s) {
     auto idx = torch::arange((s * world + rank) * size, (s * world + rank + 1) * size, torch::kInt64)
                    .remainder(digits.labels.size(0));
     const auto st = t.step(bandit::prompts{digits.images.index_select(0, idx).reshape({size, 64}),
                                            digits.labels.index_select(0, idx)});
     skipped.push_back(st.skipped_updates);
+    reported.push_back({st.reward_mean, st.reward_min, st.reward_max});
+    local.push_back(t.reward().local);
     if (s < 5) first += st.reward_mean / 5;
     if (s >= steps - 5) last += st.reward_mean / 5;
   }
@@ -89,7 +97,8 @@ nlohmann::json train(dp par) {
     auto c = p.detach().reshape({-1}).to(torch::kFloat64).contiguous();
     flat.insert(flat.end(), c.data_ptr<double>(), c.data_ptr<double>() + c.numel());
   }
-  return {{"first", first}, {"last", last}, {"skipped", skipped}, {"params", flat}};
+  return {{"first", first}, {"last", last}, {"skipped", skipped}, {"params", flat}, {"reported", reported},
+          {"local", local}};
 }
 
 // A bandit policy with registered buffers that its forward pass changes in training mode from the

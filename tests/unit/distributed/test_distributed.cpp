@@ -6,6 +6,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <csignal>
@@ -95,6 +96,22 @@ TEST_CASE("a data-parallel trainer keeps the ranks identical and skips a NaN ste
     for (std::size_t s = 0; s < skipped.size(); ++s) CHECK(skipped[s].get<int>() == (s == 5 ? 1 : 0));
     CHECK(res[r]["last"].get<double>() > res[r]["first"].get<double>() + 0.3);
   }
+  // The step statistics are all ranks' (all_reduce_mean / all_reduce_max), not rank 0's alone:
+  // each rank reports the mean of both ranks' reward means (equal batch sizes) and their range.
+  const auto& rep0 = res[0]["reported"];
+  const auto& rep1 = res[1]["reported"];
+  std::size_t differing = 0;
+  for (std::size_t s = 0; s < rep0.size(); ++s) {
+    if (s == 5) continue;  // the NaN step
+    INFO("step " << s);
+    const auto &l0 = res[0]["local"][s], &l1 = res[1]["local"][s];
+    differing += l0[0].get<double>() != l1[0].get<double>() ? 1 : 0;
+    CHECK(rep0[s] == rep1[s]);
+    CHECK(rep0[s][0].get<double>() == Approx((l0[0].get<double>() + l1[0].get<double>()) / 2).margin(1e-12));
+    CHECK(rep0[s][1].get<double>() == std::min(l0[1].get<double>(), l1[1].get<double>()));
+    CHECK(rep0[s][2].get<double>() == std::max(l0[2].get<double>(), l1[2].get<double>()));
+  }
+  CHECK(differing > 10);  // the ranks' own means do differ: the check can tell one rank from both
 }
 
 TEST_CASE("a data-parallel trainer broadcasts rank 0's buffers at construction and after every step",

@@ -526,3 +526,73 @@ TEST_CASE("hf: GRPO through unirl::trainer trains a Hugging Face model and the e
   const auto cmd = python + " " + (fixtures() / "check_export.py").string() + " " + exports.string();
   CHECK(std::system(cmd.c_str()) == 0);
 }
+
+TEST_CASE("hf: the update's chunked LM-head log-probs equal the materialised logits' (values, entropies, gradients)",
+          "[cpu][hf]") {
+  static_assert(HiddenStateCausalLM<hf::causal_lm>);
+  // The independent path: the whole (B, T, V) logits, log_softmax, gather, -sum p log p.
+  const auto materialised = [](const hf::causal_lm& m, const token_rollout& b, double temp) {
+    const auto P = b.prompt_ids.size(1), T = b.completion_ids.size(1);
+    const auto logits = m.logits(b.full_ids().slice(1, 0, P + T - 1), b.full_mask().slice(1, 0, P + T - 1));
+    const auto lsm = torch::log_softmax(logits.slice(1, P - 1) / temp, -1);
+    return std::pair{lsm.gather(-1, b.completion_ids.unsqueeze(-1)).squeeze(-1), -(lsm.exp() * lsm).sum(-1)};
+  };
+  for (const auto& arch : archs) {
+    INFO(arch);
+    const auto lm = hf::from_pretrained(fixtures() / arch);
+    REQUIRE(rollout::uses_hidden_states(lm));
+    torch::manual_seed(11);
+    token_rollout b;  // 2 prompts x 3 completions, left-padded prompts, ragged completions
+    b.prompt_ids = torch::tensor({{0L, 0L, 12L, 40L}, {3L, 9L, 27L, 81L}}).repeat_interleave(3, 0);
+    b.prompt_mask = torch::tensor({{0.f, 0.f, 1.f, 1.f}, {1.f, 1.f, 1.f, 1.f}}).repeat_interleave(3, 0);
+    b.completion_ids = torch::randint(1, 96, {6, 5}, torch::kInt64);
+    b.completion_mask = torch::ones({6, 5});
+    b.completion_mask[2].slice(0, 2).zero_();
+    b.completion_mask[3].slice(0, 4).zero_();
+    const auto& mask = b.completion_mask;
+    {  // the concept's contract: logits = hidden_states @ lm_head_weight^T
+      torch::NoGradGuard ng;
+      const auto ids = b.full_ids(), fm = b.full_mask();
+      const auto d = masked_max_diff(torch::matmul(lm.hidden_states(ids, fm), lm.lm_head_weight().t()),
+                                     lm.logits(ids, fm), fm);
+      CHECK(d <= 1e-5);
+    }
+    const double temp = 0.7;
+    // log-probs, entropies and every parameter's gradient of mean(logp) + 0.3 mean(entropy) over the mask
+    const auto run = [&](const std::function<std::pair<torch::Tensor, torch::Tensor>(const hf::causal_lm&)>& f) {
+      auto m = lm.clone();
+      auto [lp, ent] = f(m);
+      (((lp + 0.3 * ent) * mask).sum() / mask.sum()).backward();
+      std::vector<torch::Tensor> g;
+      for (const auto& p : m.parameters()) g.push_back(p.grad().clone());
+      return std::tuple{(lp * mask).detach(), (ent * mask).detach(), g};
+    };
+    const auto [lp_ref, ent_ref, g_ref] = run([&](const hf::causal_lm& m) { return materialised(m, b, temp); });
+    const auto compare = [&](const char* what,
+                             const std::tuple<torch::Tensor, torch::Tensor, std::vector<torch::Tensor>>& got) {
+      INFO(what);
+      const auto& [lp, ent, g] = got;
+      const double dl = (lp - lp_ref).abs().max().item<double>(), de = (ent - ent_ref).abs().max().item<double>();
+      double dg = 0, gmax = 0;
+      for (std::size_t i = 0; i < g.size(); ++i) {
+        dg = std::max(dg, (g[i] - g_ref[i]).abs().max().item<double>());
+        gmax = std::max(gmax, g_ref[i].abs().max().item<double>());
+      }
+      std::printf("hf %-6s chunked %-13s max |dlogp| %.2g, |dentropy| %.2g, |dgrad| %.2g (|grad| <= %.3g)\n",
+                  arch.c_str(), what, dl, de, dg, gmax);
+      CHECK(dl <= 1e-5);
+      CHECK(de <= 1e-5);
+      CHECK(dg <= 1e-5);
+    };
+    for (const auto layout : {models::update_layout::padded, models::update_layout::packed,
+                              models::update_layout::shared_prompt})
+      compare(std::string(enum_names<models::update_layout>[static_cast<std::size_t>(layout)]).c_str(),
+              run([&](const hf::causal_lm& m) { return models::update_logprob(m, b, temp, true, layout); }));
+    // several chunks, the last one ragged (7 of the 30 rows at a time)
+    compare("chunk=7", run([&](const hf::causal_lm& m) {
+              const auto P = b.prompt_ids.size(1), T = b.completion_ids.size(1);
+              const auto h = m.hidden_states(b.full_ids().slice(1, 0, P + T - 1), b.full_mask().slice(1, 0, P + T - 1));
+              return rollout::head_logprob(h.slice(1, P - 1), m.lm_head_weight(), b.completion_ids, temp, true, 7);
+            }));
+  }
+}

@@ -650,7 +650,7 @@ TEST_CASE("a 100 000-character completion neither crashes the reward server nor 
   CHECK(torch::equal(remote(again), torch::tensor({1.f})));
 }
 
-TEST_CASE("a scorer that throws fails its request, never the server; the client gets one line", "[cpu][rewards][remote]") {
+TEST_CASE("a scorer that throws fails its request, never the server, and the client gets one line", "[cpu][rewards][remote]") {
   // Before: a scorer throwing something other than a std::exception ended the process
   // (std::terminate on the connection thread), and a c10::Error's stack trace went to the client.
   struct fragile {
@@ -933,7 +933,7 @@ TEST_CASE("Retry-After is honoured, within the client's deadline", "[cpu][reward
   }
 }
 
-TEST_CASE("deterministic failures fail at once; 408, 429 and 5xx are retried", "[cpu][rewards][remote]") {
+TEST_CASE("deterministic failures fail at once, while 408, 429 and 5xx are retried", "[cpu][rewards][remote]") {
   const auto b = sums();
   auto calls_for = [&](unsigned status, const std::string& body) {
     raw_server fs([status, body](int, std::uint16_t) { return response(status, body); });

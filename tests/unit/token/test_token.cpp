@@ -766,5 +766,75 @@ TEST_CASE("a GRPO step reads the device a bounded number of times: once per mini
   // What is left is the sampler's stop test per decoded token and the batch's dynamic padding
   // per minibatch (a handful of reads each), not a read per statistic, parameter or check.
   CHECK(items1 + reads1 <= 30);
-  CHECK(items4 + reads4 <= 50);
+  CHECK(items4 + reads4 <= 40);
+}
+
+TEST_CASE("trainer: settings that cannot work are rejected at construction, naming the option",
+          "[cpu][token][errors]") {
+  using grpo_t = trainer<models::gpt, algo::grpo<>, count_target>;
+  const auto key_of = [](auto&& build) -> std::pair<std::string, std::string> {
+    try {
+      build();
+    } catch (const config_error& e) {
+      return {e.key(), e.what()};
+    }
+    return {"(nothing thrown)", ""};
+  };
+  // max_len = 16: 16 new tokens leave no room for a prompt; 15 do (a 1-token prompt fills 16).
+  auto [k1, w1] = key_of([] {
+    grpo_t t{small_gpt(8, 16), count_target{}, {.algorithm = {.sampling = {.max_new_tokens = 16}}, .progress = false}};
+  });
+  CHECK(k1 == "algorithm.sampling.max_new_tokens");
+  CHECK_THAT(w1, Catch::Contains("value 16") && Catch::Contains("max_length() = 16"));
+  CHECK_NOTHROW(grpo_t{small_gpt(8, 16), count_target{},
+                       {.algorithm = {.sampling = {.max_new_tokens = 15}}, .progress = false}});
+  // PPO on the token track keeps its sampling under algorithm.track
+  using ppo_t = trainer<models::gpt, algo::ppo<>, count_target>;
+  auto [k2, w2] = key_of([] {
+    ppo_t t{small_gpt(8, 16), count_target{},
+            {.algorithm = {.track = {.sampling = {.max_new_tokens = 20}}}, .group_size = 2, .progress = false}};
+  });
+  CHECK(k2 == "algorithm.track.sampling.max_new_tokens");
+  CHECK_THAT(w2, Catch::Contains("value 20") && Catch::Contains("max_length() = 16"));
+  // a stop token the model cannot produce (vocabulary of 8: ids 0..7)
+  auto [k3, w3] = key_of([] {
+    grpo_t t{small_gpt(8, 16), count_target{},
+             {.algorithm = {.sampling = {.max_new_tokens = 4, .stop_tokens = {3, 8}}}, .progress = false}};
+  });
+  CHECK(k3 == "algorithm.sampling.stop_tokens");
+  CHECK_THAT(w3, Catch::Contains("token id 8") && Catch::Contains("vocabulary of 8 tokens"));
+  // a CUDA device this process does not have
+  if (!torch::cuda::is_available() || torch::cuda::device_count() < 8) {
+    auto [k4, w4] = key_of([] {
+      grpo_t t{small_gpt(8, 16), count_target{},
+               {.algorithm = {.sampling = {.max_new_tokens = 4}}, .device = "cuda:7", .progress = false}};
+    });
+    CHECK(k4 == "device");
+    CHECK_THAT(w4, Catch::Contains("cuda:7") && Catch::Contains("CUDA device(s)"));
+  }
+  // an overlong buffer longer than the completions (the algorithm's own validation)
+  auto [k5, w5] = key_of([] {
+    grpo_t t{small_gpt(8, 16), count_target{},
+             {.algorithm = {.overlong_buffer = 5, .sampling = {.max_new_tokens = 4}}, .progress = false}};
+  });
+  CHECK(k5 == "algorithm.overlong_buffer");
+}
+
+TEST_CASE("trainer: a prompt too long for the context fails before any model work, naming both lengths",
+          "[cpu][token][errors]") {
+  using grpo_t = trainer<models::gpt, algo::grpo<>, count_target>;
+  grpo_t t{small_gpt(8, 16), count_target{},
+           {.algorithm = {.sampling = {.max_new_tokens = 12}}, .group_size = 2, .seed = 3, .progress = false}};
+  const auto before = t.models().policy.named_parameters()[0].second.clone();
+  // 5 + 12 = 17 > 16
+  const prompt_batch too_long{.tokens = {{1, 2}, {1, 2, 3, 4, 5}}}, fits{.tokens = {{1, 2}, {1, 2, 3, 4}}};
+  CHECK_THROWS_WITH(t.step(too_long),
+                    Catch::Contains("prompt 1 has 5 tokens") &&
+                        Catch::Contains("algorithm.sampling.max_new_tokens = 12") &&
+                        Catch::Contains("max_length() = 16"));
+  CHECK(t.step_count() == 0);
+  CHECK(torch::equal(before, t.models().policy.named_parameters()[0].second));
+  // 4 + 12 = 16 fills the context exactly: the model takes it (its own position check agrees)
+  CHECK_NOTHROW(t.step(fits));
+  CHECK(t.step_count() == 1);
 }

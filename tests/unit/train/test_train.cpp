@@ -6,6 +6,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <iostream>
 #include <limits>
 #include <random>
 #include <sstream>
@@ -18,6 +19,7 @@
 #include <unirl/train/metrics.hpp>
 #include <unirl/train/optimizer.hpp>
 #include <unirl/train/plot.hpp>
+#include <unirl/train/run_directory.hpp>
 #include <unirl/train/schedule.hpp>
 
 #if defined(UNIRL_WITH_STB)
@@ -566,6 +568,68 @@ TEST_CASE("checkpoint: an interrupted write leaves the previous file readable", 
   tr::read_checkpoint(path, [&](auto& ar) { step = tr::read_scalar<std::int64_t>(ar, "step"); });
   CHECK(step == 3);
   CHECK_FALSE(fs::exists(path + ".tmp"));
+}
+
+TEST_CASE("run_directory: names, keep-last-K pruning, the latest complete checkpoint", "[cpu][train]") {
+  CHECK(tr::run_directory::step_name(42) == "step-00000042.pt");
+  CHECK(tr::run_directory::step_name(123456789) == "step-123456789.pt");
+  CHECK(tr::run_directory::parse_step("step-00000042.pt") == 42);
+  CHECK(tr::run_directory::parse_step("step-123456789.pt") == 123456789);
+  for (const char* bad : {"step-00000042.pt.tmp", "step-.pt", "step-12a.pt", "ckpt.pt", "step-0000000000001.pt"})
+    CHECK_FALSE(tr::run_directory::parse_step(bad).has_value());
+  CHECK_THROWS_AS(tr::run_directory("x", {.keep = 0}), unirl::config_error);
+
+  temp_dir dir;
+  tr::run_directory run(dir.path, {.keep = 3});
+  CHECK_FALSE(run.latest().has_value());  // a fresh run
+  const auto save = [&](std::int64_t s) {
+    return run.save(s, [&](const std::string& p) {
+      tr::write_checkpoint(p, [&](auto& ar) { tr::write_scalar(ar, "step", s); });
+    });
+  };
+  for (std::int64_t s = 1; s <= 5; ++s) CHECK(save(s) == dir.path / "checkpoints" / tr::run_directory::step_name(s));
+  std::vector<std::int64_t> left;
+  for (const auto& e : run.list()) left.push_back(e.step);
+  CHECK(left == std::vector<std::int64_t>{3, 4, 5});
+  REQUIRE(run.latest().has_value());
+  CHECK(run.latest()->step == 5);
+
+  // The newest is truncated (a crash without the atomic rename), the one before has a flipped
+  // payload byte (a disk error): both are skipped with a warning, step 3 is the one to resume.
+  const auto p5 = (dir.path / "checkpoints" / "step-00000005.pt").string();
+  const auto p4 = (dir.path / "checkpoints" / "step-00000004.pt").string();
+  write_bytes(p5, read_bytes(p5).substr(0, 40));
+  auto b4 = read_bytes(p4);
+  b4[b4.size() / 2] = static_cast<char>(b4[b4.size() / 2] ^ 0x55);
+  write_bytes(p4, b4);
+  // a leftover temporary of an interrupted save is never taken for a checkpoint
+  write_bytes((dir.path / "checkpoints" / "step-00000006.pt.tmp").string(), "partial");
+  write_bytes((dir.path / "checkpoints" / "notes.tmp").string(), "not ours");
+  std::ostringstream warnings;
+  auto* old = std::cerr.rdbuf(warnings.rdbuf());
+  const auto last = run.latest();
+  std::cerr.rdbuf(old);
+  REQUIRE(last.has_value());
+  CHECK(last->step == 3);
+  std::int64_t stored = 0;
+  tr::read_checkpoint(last->path.string(), [&](auto& ar) { stored = tr::read_scalar<std::int64_t>(ar, "step"); });
+  CHECK(stored == 3);
+  CHECK_THAT(warnings.str(), Contains("step-00000005.pt") && Contains("truncated") && Contains("step-00000004.pt") &&
+                                 Contains("checksum mismatch") && Contains("falling back"));
+  CHECK(run.remove_temporaries() == 1);
+  CHECK_FALSE(fs::exists(dir.path / "checkpoints" / "step-00000006.pt.tmp"));
+  CHECK(fs::exists(dir.path / "checkpoints" / "notes.tmp"));
+
+  // Resuming from 3 and saving 4 again replaces the damaged file; the (later, damaged) 5 is left
+  // until the run overwrites it; then pruning goes on keeping the newest 3.
+  save(4);
+  CHECK(run.latest()->step == 4);
+  save(5);
+  save(6);
+  left.clear();
+  for (const auto& e : run.list()) left.push_back(e.step);
+  CHECK(left == std::vector<std::int64_t>{4, 5, 6});
+  CHECK(run.latest()->step == 6);
 }
 
 // ---------------------------------------------------------------- metrics and progress

@@ -17,8 +17,8 @@
 /// ```
 /// Numerics follow Hugging Face's eager forward: RMSNorm in float32 (`x.to(float32)`, variance,
 /// rsqrt, `weight * x.to(input dtype)`), RoPE in the rotate_half form with cos/sin computed in
-/// float32, grouped-query attention by repeating each KV head over its query heads, SwiGLU,
-/// gelu_new. Positions count real tokens (the mask's cumsum), so padding may sit anywhere.
+/// float32, grouped-query attention (each KV head serves its query heads without being copied),
+/// SwiGLU, gelu_new. A one-row step (decoding at batch 1) runs its projections as gemv. Positions count real tokens (the mask's cumsum), so padding may sit anywhere.
 /// Dropout is not applied (train and eval forwards are the same).
 #include <cmath>
 #include <cstdint>
@@ -91,6 +91,82 @@ inline torch::Tensor repeat_kv(const torch::Tensor& x, std::int64_t groups) {
   return x.unsqueeze(2).expand({B, H, groups, S, D}).reshape({B, H * groups, S, D});
 }
 
+/// Grouped-query attention without copying keys and values per query head: q (B, H, n, D),
+/// k / v (B, H_kv, S, D) with H = H_kv * groups, bias (B|R, 1, n, S). The `groups` query heads
+/// of a KV head become `groups * n` query rows of that head — the same dot products as
+/// `attend(q, repeat_kv(k), repeat_kv(v))` without the (B, H, S, D) copies, forward or backward.
+inline torch::Tensor attend_grouped(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                    const torch::Tensor& bias, double scale, std::int64_t groups) {
+  if (groups == 1) return attend(q, k, v, bias, scale);
+  const auto B = q.size(0), H = q.size(1), n = q.size(2), D = q.size(3), S = k.size(2);
+  const auto qg = q.reshape({B, H / groups, groups * n, D});  // a view for a decoding step (n = 1)
+  torch::Tensor bg = bias;  // (B, 1, n, S): one row per query position, the same for every head
+  if (bias.defined() && n > 1)
+    bg = bias.unsqueeze(2).expand({bias.size(0), bias.size(1), groups, n, S}).reshape(
+        {bias.size(0), bias.size(1), groups * n, S});
+  return attend(qg, k, v, bg, scale).view({B, H, n, D});
+}
+
+/// x (..., in) @ weight^T (+ bias), weight (out, in). A single row — a decoding step at batch 1 —
+/// runs as a matrix-vector product: LibTorch hands a one-row matmul to BLAS gemm, which packs
+/// the whole weight before using it (bench_hf: several times slower than gemv at Qwen2.5 shapes).
+inline torch::Tensor dense(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias = {}) {
+  const auto st = x.scalar_type();
+  if (x.numel() == x.size(-1) && (st == torch::kFloat || st == torch::kDouble) && x.device().is_cpu()) {
+    auto sizes = x.sizes().vec();
+    sizes.back() = weight.size(0);
+    const auto row = x.reshape({-1});
+    return (bias.defined() ? torch::addmv(bias, weight, row) : torch::mv(weight, row)).view(sizes);
+  }
+  return torch::linear(x, weight, bias);
+}
+
+/// Linear layers over the same input (q/k/v; gate/up) as one matmul where that pays: forwards
+/// without gradients of more than one row (decoding at batch > 1, prefill), whose small matmuls
+/// (k_proj, v_proj: 128 outputs at Qwen2.5-0.5B shapes) use BLAS poorly. The weights and biases
+/// are concatenated on first use and kept until a part changes — new storage (a load, a move, a
+/// clone) or a new version (an optimizer step) — so the parameters keep their Hugging Face names
+/// and remain the only trained state. With gradients, or for one row (gemv reads the same bytes
+/// either way), the layers run one by one. Not for concurrent forwards of one module.
+class fused_linears {
+ public:
+  /// The outputs of `parts` on x (..., in), in order; fused outputs are views of one (..., sum out).
+  std::vector<torch::Tensor> operator()(const torch::Tensor& x, const std::vector<torch::nn::Linear>& parts) {
+    std::vector<torch::Tensor> out;
+    if (torch::GradMode::is_enabled() || x.numel() == x.size(-1)) {
+      for (const auto& p : parts) out.push_back(dense(x, p->weight, p->bias));
+      return out;
+    }
+    refresh(parts);
+    return torch::linear(x, weight_, bias_).split_with_sizes(sizes_, -1);
+  }
+
+ private:
+  void refresh(const std::vector<torch::nn::Linear>& parts) {
+    std::vector<std::int64_t> key;
+    for (const auto& p : parts)
+      for (const auto* t : {&p->weight, &p->bias})
+        if (t->defined())
+          key.insert(key.end(), {reinterpret_cast<std::int64_t>(t->data_ptr()), static_cast<std::int64_t>(t->_version())});
+    if (key == key_ && weight_.defined()) return;
+    torch::NoGradGuard ng;
+    std::vector<torch::Tensor> w, b;
+    sizes_.clear();
+    for (const auto& p : parts) {
+      w.push_back(p->weight);
+      if (p->bias.defined()) b.push_back(p->bias);
+      sizes_.push_back(p->weight.size(0));
+    }
+    UNIRL_CHECK(b.empty() || b.size() == parts.size(), "hf::fused_linears: ", b.size(), " of ", parts.size(),
+                " layers have a bias: expected all or none");
+    weight_ = torch::cat(w, 0);
+    bias_ = b.empty() ? torch::Tensor() : torch::cat(b, 0);
+    key_ = std::move(key);
+  }
+  torch::Tensor weight_, bias_;
+  std::vector<std::int64_t> sizes_, key_;
+};
+
 /// (B, 1, n, S) additive mask for queries at slots [start, start+n) over keys [0, S): a query
 /// sees real keys at or before it, and always itself (a padding row never softmaxes over nothing).
 inline torch::Tensor attention_bias(const torch::Tensor& key_mask, std::int64_t start, std::int64_t n) {
@@ -158,6 +234,9 @@ class conv1d_impl : public torch::nn::Cloneable<conv1d_impl> {
   torch::Tensor forward(const torch::Tensor& x) {
     auto sizes = x.sizes().vec();
     sizes.back() = out_;
+    if (x.numel() == in_ && x.device().is_cpu() && x.is_floating_point() && x.scalar_type() != torch::kBFloat16 &&
+        x.scalar_type() != torch::kHalf)  // one row: gemv (see `dense`)
+      return torch::addmv(bias, weight.t(), x.reshape({-1})).view(sizes);
     return torch::addmm(bias, x.reshape({-1, in_}), weight).view(sizes);
   }
   torch::Tensor weight, bias;
@@ -197,9 +276,10 @@ class llama_attention_impl : public torch::nn::Cloneable<llama_attention_impl> {
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
                         const torch::Tensor& bias, const kv_slot& slot) {
     const auto B = x.size(0), n = x.size(1);
-    auto q = q_proj(x).view({B, n, heads_, dim_});
-    auto k = k_proj(x).view({B, n, kv_heads_, dim_});
-    auto v = v_proj(x).view({B, n, kv_heads_, dim_}).transpose(1, 2);
+    const auto qkv = qkv_(x, {q_proj, k_proj, v_proj});
+    auto q = qkv[0].view({B, n, heads_, dim_});
+    auto k = qkv[1].view({B, n, kv_heads_, dim_});
+    auto v = qkv[2].view({B, n, kv_heads_, dim_}).transpose(1, 2);
     if (qk_norm_) {
       q = q_norm(q);
       k = k_norm(k);
@@ -210,10 +290,8 @@ class llama_attention_impl : public torch::nn::Cloneable<llama_attention_impl> {
     q = q * c + rotate_half(q) * s;
     k = k * c + rotate_half(k) * s;
     auto [k_all, v_all] = slot.update(k, v);
-    const auto groups = heads_ / kv_heads_;
-    const auto y = attend(q, repeat_kv(k_all, groups), repeat_kv(v_all, groups), bias,
-                          1.0 / std::sqrt(static_cast<double>(dim_)));
-    return o_proj(y.transpose(1, 2).reshape({B, n, heads_ * dim_}));
+    const auto y = attend_grouped(q, k_all, v_all, bias, 1.0 / std::sqrt(static_cast<double>(dim_)), heads_ / kv_heads_);
+    return dense(y.transpose(1, 2).reshape({B, n, heads_ * dim_}), o_proj->weight, o_proj->bias);
   }
   torch::nn::Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
   rms_norm q_norm{nullptr}, k_norm{nullptr};
@@ -222,6 +300,7 @@ class llama_attention_impl : public torch::nn::Cloneable<llama_attention_impl> {
   std::int64_t hidden_, heads_, kv_heads_, dim_;
   double eps_;
   bool qkv_bias_, o_bias_, qk_norm_;
+  fused_linears qkv_;
 };
 TORCH_MODULE_IMPL(llama_attention, llama_attention_impl);
 
@@ -237,12 +316,16 @@ class llama_mlp_impl : public torch::nn::Cloneable<llama_mlp_impl> {
     up_proj = register_module("up_proj", make_linear(hidden_, inter_, bias_));
     down_proj = register_module("down_proj", make_linear(inter_, hidden_, bias_));
   }
-  torch::Tensor forward(const torch::Tensor& x) { return down_proj(torch::silu(gate_proj(x)) * up_proj(x)); }
+  torch::Tensor forward(const torch::Tensor& x) {
+    const auto gu = gate_up_(x, {gate_proj, up_proj});
+    return dense(torch::silu(gu[0]) * gu[1], down_proj->weight, down_proj->bias);
+  }
   torch::nn::Linear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
 
  private:
   std::int64_t hidden_, inter_;
   bool bias_;
+  fused_linears gate_up_;
 };
 TORCH_MODULE_IMPL(llama_mlp, llama_mlp_impl);
 
@@ -450,27 +533,37 @@ class decoder_net_impl : public torch::nn::Cloneable<decoder_net_impl> {
     return c_.is_gpt2() ? transformer->wte->weight : model->embed_tokens->weight;
   }
 
-  /// Backbone and head on given positions and mask: ids (B, n) -> (B, n, out).
-  torch::Tensor run(const torch::Tensor& ids, const torch::Tensor& positions, const torch::Tensor& bias,
-                    kv_cache* cache, std::int64_t start) {
-    const auto h = c_.is_gpt2() ? transformer->forward(ids, positions, bias, cache, start)
-                                : model->forward(ids, positions, bias, cache, start);
-    if (out_dim_ > 0) return score(h);
-    return c_.tie_word_embeddings ? torch::linear(h, embedding_weight()) : lm_head(h);
+  /// The LM head's weight (V, hidden): `lm_head.weight`, or the token embedding when tied.
+  const torch::Tensor& head_weight() const {
+    UNIRL_CHECK(out_dim_ == 0, "hf::decoder_net: a value model (out_dim = ", out_dim_, ") has no LM head");
+    return c_.tie_word_embeddings ? embedding_weight() : lm_head->weight;
   }
 
-  /// Full forward: ids (B, L) int64, mask (B, L) (1 = real token) -> (B, L, out).
-  torch::Tensor forward(const torch::Tensor& ids, const torch::Tensor& mask) {
+  /// Backbone and (unless `head` is false: the final normalised hidden states) head on given
+  /// positions and mask: ids (B, n) -> (B, n, out | hidden).
+  torch::Tensor run(const torch::Tensor& ids, const torch::Tensor& positions, const torch::Tensor& bias,
+                    kv_cache* cache, std::int64_t start, bool head = true) {
+    const auto h = c_.is_gpt2() ? transformer->forward(ids, positions, bias, cache, start)
+                                : model->forward(ids, positions, bias, cache, start);
+    if (!head) return h;
+    if (out_dim_ > 0) return score(h);
+    return detail::dense(h, head_weight());
+  }
+
+  /// Full forward: ids (B, L) int64, mask (B, L) (1 = real token) -> (B, L, out), or the final
+  /// hidden states (B, L, hidden) without the head.
+  torch::Tensor forward(const torch::Tensor& ids, const torch::Tensor& mask, bool head = true) {
     check_inputs(ids, mask);
     const auto m = mask.to(torch::kFloat);
     const auto positions = (m.cumsum(1) - 1.0).clamp_min(0.0).to(torch::kInt64);
     check_positions(positions);
-    return run(ids, positions, detail::attention_bias(m.to(torch::kBool), 0, ids.size(1)), nullptr, 0);
+    return run(ids, positions, detail::attention_bias(m.to(torch::kBool), 0, ids.size(1)), nullptr, 0, head);
   }
 
   /// Packed forward: ids, positions (restarting at 0 for every sequence), segments (R, N) int64
-  /// -> (R, N, out); a token attends only to its own segment at or before it.
-  torch::Tensor forward_packed(const torch::Tensor& ids, const torch::Tensor& positions, const torch::Tensor& segments) {
+  /// -> (R, N, out | hidden); a token attends only to its own segment at or before it.
+  torch::Tensor forward_packed(const torch::Tensor& ids, const torch::Tensor& positions, const torch::Tensor& segments,
+                               bool head = true) {
     UNIRL_CHECK(ids.dim() == 2, "hf::causal_lm: packed ids must be (R, N) int64, got sizes ", ids.sizes());
     UNIRL_CHECK(positions.sizes() == ids.sizes() && segments.sizes() == ids.sizes(), "hf::causal_lm: packed positions ",
                 positions.sizes(), " and segments ", segments.sizes(), " must have the sizes of ids ", ids.sizes());
@@ -478,7 +571,7 @@ class decoder_net_impl : public torch::nn::Cloneable<decoder_net_impl> {
     const auto pos = positions.to(torch::kInt64);
     UNIRL_CHECK(pos.numel() == 0 || pos.min().item<std::int64_t>() >= 0, "hf::causal_lm: packed positions must be >= 0");
     check_positions(pos);
-    return run(ids, pos, detail::packed_bias(segments), nullptr, 0);
+    return run(ids, pos, detail::packed_bias(segments), nullptr, 0, head);
   }
 
   /// An empty cache for `batch` sequences of up to `capacity` tokens: per layer (B, H_kv, capacity, D).
@@ -498,8 +591,8 @@ class decoder_net_impl : public torch::nn::Cloneable<decoder_net_impl> {
     return c;
   }
 
-  /// Incremental forward of the next n tokens: ids (B, n), mask (B, n) -> (B, n, out).
-  torch::Tensor forward_cached(const torch::Tensor& ids, const torch::Tensor& mask, kv_cache& c) {
+  /// Incremental forward of the next n tokens: ids (B, n), mask (B, n) -> (B, n, out | hidden).
+  torch::Tensor forward_cached(const torch::Tensor& ids, const torch::Tensor& mask, kv_cache& c, bool head = true) {
     check_inputs(ids, mask);
     const auto n = ids.size(1), start = c.length;
     UNIRL_CHECK(static_cast<std::int64_t>(c.k.size()) == c_.num_hidden_layers && c.mask.defined() &&
@@ -514,7 +607,7 @@ class decoder_net_impl : public torch::nn::Cloneable<decoder_net_impl> {
     check_positions(positions);
     c.count += m.sum(1).to(torch::kInt64);
     const auto bias = detail::attention_bias(c.mask.slice(1, 0, start + n).to(torch::kBool), start, n);
-    auto out = run(ids, positions, bias, &c, start);
+    auto out = run(ids, positions, bias, &c, start, head);
     c.length = start + n;
     return out;
   }
@@ -592,11 +685,26 @@ struct causal_lm : module_adapter<causal_lm, decoder_net> {
                               const torch::Tensor& segments) const {
     return net_.ptr()->forward_packed(ids, positions, segments);
   }
-  /// A KV cache holding only the KV heads (grouped-query attention repeats them at use).
+  /// A KV cache holding only the KV heads (each serves its group of query heads in place).
   kv_cache make_cache(std::int64_t batch, std::int64_t capacity) const { return net_->make_cache(batch, capacity); }
   torch::Tensor logits_cached(const torch::Tensor& ids, const torch::Tensor& mask, kv_cache& c) const {
     return net_.ptr()->forward_cached(ids, mask, c);
   }
+  /// The final (normalised) hidden states (B, L, hidden) before the LM head: `logits` is
+  /// `hidden_states @ lm_head_weight()^T` (`HiddenStateCausalLM`: the update's log-probs run the
+  /// head in row chunks and never hold the (B, L, V) logits).
+  torch::Tensor hidden_states(const torch::Tensor& ids, const torch::Tensor& mask) const {
+    return net_.ptr()->forward(ids, mask, false);
+  }
+  torch::Tensor hidden_states_packed(const torch::Tensor& ids, const torch::Tensor& positions,
+                                     const torch::Tensor& segments) const {
+    return net_.ptr()->forward_packed(ids, positions, segments, false);
+  }
+  torch::Tensor hidden_states_cached(const torch::Tensor& ids, const torch::Tensor& mask, kv_cache& c) const {
+    return net_.ptr()->forward_cached(ids, mask, c, false);
+  }
+  /// The LM head (V, hidden): `lm_head.weight`, or `model.embed_tokens.weight` / `transformer.wte.weight` when tied.
+  torch::Tensor lm_head_weight() const { return net_->head_weight(); }
   /// Row i of the result is row `index[i]` of `c` (prefix sharing).
   kv_cache select_cache(const kv_cache& c, const torch::Tensor& index) const { return c.select(index); }
   std::int64_t vocab_size() const { return net_->config().vocab_size; }
@@ -617,6 +725,7 @@ struct causal_lm : module_adapter<causal_lm, decoder_net> {
 static_assert(CausalLM<causal_lm>);
 static_assert(PackedCausalLM<causal_lm>);
 static_assert(PrefixSharingCausalLM<causal_lm>);
+static_assert(HiddenStateCausalLM<causal_lm>);
 static_assert(CriticFactory<causal_lm>);
 
 }  // namespace unirl::models::hf
