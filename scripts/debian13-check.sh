@@ -173,8 +173,15 @@ if [ -z "$only" ] || [ "$only" = test ]; then
 fi
 
 verdict() { case "$1" in 0) echo "ok" ;; skipped) echo "skipped" ;; *) echo "FAILED (exit $1)" ;; esac; }
-tests_line="$(grep -E '[0-9]+% tests passed' "$logs/test.log" 2>/dev/null | tail -n 1 || true)"
-echo "debian-check: $suite ($what): quickstart $(verdict "$quickstart_rc") in ${quickstart_s} s;" \
+tests_line=""
+if [ "$test_rc" != skipped ]; then
+  tests_line="$(grep -E '[0-9]+% tests passed' "$logs/test.log" | tail -n 1 || true)"
+fi
+quickstart_line=""
+if [ "$quickstart_rc" != skipped ]; then
+  quickstart_line="$(grep -oE 'held-out accuracy: [0-9.]+% -> [0-9.]+%' "$logs/quickstart.log" | tail -n 1 || true)"
+fi
+echo "debian-check: $suite ($what): quickstart $(verdict "$quickstart_rc") in ${quickstart_s} s${quickstart_line:+ ($quickstart_line)};" \
      "test $(verdict "$test_rc") in ${test_s} s${tests_line:+ ($tests_line)}; total $(( $(date +%s) - t0 )) s"
 [ "$quickstart_rc" != 0 ] && [ "$quickstart_rc" != skipped ] && exit 1
 [ "$test_rc" != 0 ] && [ "$test_rc" != skipped ] && exit 1
