@@ -49,7 +49,7 @@ static_assert(ExecutionPolicy<automatic>);
 template <ExecutionPolicy Exec>
 inline constexpr bool decides_by_size = std::is_same_v<Exec, automatic>;
 
-/// Placeholder of `dispatch` for an implementation an op does not have.
+/// Sentinel of `dispatch` for an implementation an op does not have.
 struct none_t {};
 inline constexpr none_t none{};
 

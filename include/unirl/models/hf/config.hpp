@@ -178,7 +178,7 @@ inline decoder_config decoder_config::from_json(const nlohmann::json& j, const s
                 " = \"", mt, "\" does not match architectures[0] = ", c.architecture_name(), " (expected \"",
                 model_types[static_cast<std::size_t>(c.arch)], "\")");
   }
-  r.unsupported_unless("quantization_config", nullptr, "quantized weights are not implemented");
+  r.unsupported_unless("quantization_config", nullptr, "quantized weights are not supported");
   c.torch_dtype = r.string("torch_dtype", "float32");
   c.vocab_size = r.integer("vocab_size");
   c.initializer_range = r.number("initializer_range", 0.02);
@@ -208,7 +208,7 @@ inline decoder_config decoder_config::from_json(const nlohmann::json& j, const s
     c.hidden_act = r.string("activation_function", "gelu_new");
     c.tie_word_embeddings = r.boolean("tie_word_embeddings", true);
     r.unsupported_unless("scale_attn_weights", true, "attention scores are always scaled by 1/sqrt(head_dim)");
-    r.unsupported_unless("scale_attn_by_inverse_layer_idx", false, "not implemented");
+    r.unsupported_unless("scale_attn_by_inverse_layer_idx", false, "not supported");
     r.unsupported_unless("add_cross_attention", false, "a decoder-only model has no cross-attention");
   } else {
     c.hidden_size = r.integer("hidden_size");
@@ -243,11 +243,11 @@ inline decoder_config decoder_config::from_json(const nlohmann::json& j, const s
         c.rope_theta = t->get<double>();
       }
     }
-    r.unsupported_unless("use_sliding_window", false, "sliding-window attention is not implemented");
+    r.unsupported_unless("use_sliding_window", false, "sliding-window attention is not supported");
     if (const auto it = j.find("layer_types"); it != j.end() && it->is_array())
       for (const auto& t : *it)
         UNIRL_CHECK(t == "full_attention", detail::config_where(source, "layer_types"), " = ", it->dump(),
-                    ": unsupported (sliding-window attention is not implemented); expected only \"full_attention\"");
+                    ": unsupported (sliding-window attention is not supported); expected only \"full_attention\"");
   }
   for (auto it = j.begin(); it != j.end(); ++it) {
     bool used = false;
