@@ -4,6 +4,17 @@
 # `-DTorch_DIR=$(python3 -c 'import torch;print(torch.utils.cmake_prefix_path)')/Torch`).
 # This module looks for the headers and libraries in the system prefix and defines the same
 # imported target `torch` that config mode defines, plus TORCH_LIBRARIES and Torch_VERSION.
+#
+# Compile definitions. LibTorch's own package puts the definitions of its build options on its
+# targets' interface (USE_DISTRIBUTED, USE_C10D_GLOO, ... on torch_cpu); without them headers such
+# as torch/csrc/distributed/c10d/ProcessGroupGloo.hpp compile to nothing, and
+# unirl/parallel/data_parallel.hpp then fails to compile. A library without a CMake package does
+# not record its options, so this module infers the two that unirl needs and puts them on `torch`:
+#   USE_DISTRIBUTED  the c10d headers are installed (torch/csrc/distributed/c10d/ProcessGroup.hpp)
+#                    and libtorch_cpu exports c10d's process group (symbol text "c10d12ProcessGroup");
+#   USE_C10D_GLOO    additionally ProcessGroupGloo.hpp and Gloo's headers (gloo/config.h) are
+#                    installed and libtorch_cpu exports c10d::ProcessGroupGloo.
+# Both are cache variables (Torch_USE_DISTRIBUTED, Torch_USE_C10D_GLOO): set them to override.
 include(FindPackageHandleStandardArgs)
 
 find_path(Torch_API_INCLUDE_DIR torch/torch.h PATH_SUFFIXES torch/csrc/api/include)
@@ -22,6 +33,37 @@ if(Torch_API_INCLUDE_DIR AND EXISTS "${Torch_API_INCLUDE_DIR}/torch/version.h")
   set(Torch_VERSION "${_unirl_torch_MAJOR}.${_unirl_torch_MINOR}.${_unirl_torch_PATCH}")
 endif()
 
+# Whether libtorch_cpu's symbol table holds `text` (mangled names, read as strings; cached).
+function(_unirl_torch_exports text out)
+  set(_found OFF)
+  if(Torch_CPU_LIBRARY AND EXISTS "${Torch_CPU_LIBRARY}")
+    file(STRINGS "${Torch_CPU_LIBRARY}" _hit REGEX "${text}" LIMIT_COUNT 1)
+    if(_hit)
+      set(_found ON)
+    endif()
+  endif()
+  set(${out} ${_found} PARENT_SCOPE)
+endfunction()
+if(NOT DEFINED Torch_USE_DISTRIBUTED AND Torch_API_INCLUDE_DIR)
+  set(_unirl_dist OFF)
+  find_path(Torch_C10D_INCLUDE_DIR torch/csrc/distributed/c10d/ProcessGroup.hpp
+            HINTS "${Torch_API_INCLUDE_DIR}/../../../.." "${Torch_INCLUDE_DIR}")
+  if(Torch_C10D_INCLUDE_DIR)
+    _unirl_torch_exports("c10d12ProcessGroup" _unirl_dist)
+  endif()
+  set(Torch_USE_DISTRIBUTED ${_unirl_dist} CACHE BOOL "LibTorch was built with USE_DISTRIBUTED (c10d)")
+endif()
+if(NOT DEFINED Torch_USE_C10D_GLOO AND Torch_API_INCLUDE_DIR)
+  set(_unirl_gloo OFF)
+  if(Torch_USE_DISTRIBUTED AND EXISTS "${Torch_C10D_INCLUDE_DIR}/torch/csrc/distributed/c10d/ProcessGroupGloo.hpp")
+    find_path(Torch_GLOO_INCLUDE_DIR gloo/config.h HINTS "${Torch_INCLUDE_DIR}")
+    if(Torch_GLOO_INCLUDE_DIR)
+      _unirl_torch_exports("c10d16ProcessGroupGloo" _unirl_gloo)
+    endif()
+  endif()
+  set(Torch_USE_C10D_GLOO ${_unirl_gloo} CACHE BOOL "LibTorch was built with USE_C10D_GLOO (c10d's Gloo backend)")
+endif()
+
 find_package_handle_standard_args(Torch
   REQUIRED_VARS Torch_LIBRARY Torch_CPU_LIBRARY Torch_C10_LIBRARY Torch_INCLUDE_DIR Torch_API_INCLUDE_DIR
   VERSION_VAR Torch_VERSION)
@@ -33,7 +75,18 @@ if(Torch_FOUND AND NOT TARGET torch)
     IMPORTED_LOCATION "${Torch_LIBRARY}"
     INTERFACE_INCLUDE_DIRECTORIES "${Torch_INCLUDE_DIR};${Torch_API_INCLUDE_DIR}"
     INTERFACE_LINK_LIBRARIES "${Torch_CPU_LIBRARY};${Torch_C10_LIBRARY};Threads::Threads")
+  set(_unirl_torch_defs)
+  if(Torch_USE_DISTRIBUTED)
+    list(APPEND _unirl_torch_defs USE_DISTRIBUTED)
+  endif()
+  if(Torch_USE_C10D_GLOO)
+    list(APPEND _unirl_torch_defs USE_C10D_GLOO)
+  endif()
+  if(_unirl_torch_defs)
+    set_property(TARGET torch PROPERTY INTERFACE_COMPILE_DEFINITIONS "${_unirl_torch_defs}")
+  endif()
   set(TORCH_LIBRARIES torch)
   set(TORCH_INCLUDE_DIRS "${Torch_INCLUDE_DIR};${Torch_API_INCLUDE_DIR}")
 endif()
-mark_as_advanced(Torch_API_INCLUDE_DIR Torch_INCLUDE_DIR Torch_LIBRARY Torch_CPU_LIBRARY Torch_C10_LIBRARY)
+mark_as_advanced(Torch_API_INCLUDE_DIR Torch_INCLUDE_DIR Torch_LIBRARY Torch_CPU_LIBRARY Torch_C10_LIBRARY
+                 Torch_C10D_INCLUDE_DIR Torch_GLOO_INCLUDE_DIR Torch_USE_DISTRIBUTED Torch_USE_C10D_GLOO)

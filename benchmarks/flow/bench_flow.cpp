@@ -32,7 +32,7 @@ const torch::Tensor& conditions() {
 }
 // Mean brightness of the upper half: a dense reward whose cost is negligible.
 struct upper_brightness {
-  torch::Tensor operator()(const unirl::rollout::flow_rollout& b) const {
+  torch::Tensor operator()(const unirl::flow_rollout& b) const {
     return b.samples().slice(2, 0, 4).flatten(1).mean(1);
   }
 };
@@ -43,11 +43,11 @@ void BM_flow_sample(benchmark::State& state) {
   auto m = digits_model();
   const auto cond = conditions().repeat_interleave(8);
   const Sampler sampler({.steps = 10});
-  for (auto _ : state) benchmark::DoNotOptimize(unirl::rollout::sample_trajectory(sampler, m, cond).samples());
+  for (auto _ : state) benchmark::DoNotOptimize(unirl::sample_trajectory(sampler, m, cond).samples());
   state.SetItemsProcessed(state.iterations() * cond.size(0));
 }
-BENCHMARK_TEMPLATE(BM_flow_sample, unirl::rollout::ode::euler)->Unit(benchmark::kMillisecond);
-BENCHMARK_TEMPLATE(BM_flow_sample, unirl::rollout::sde::flow_grpo)->Unit(benchmark::kMillisecond);
+BENCHMARK_TEMPLATE(BM_flow_sample, unirl::ode::euler)->Unit(benchmark::kMillisecond);
+BENCHMARK_TEMPLATE(BM_flow_sample, unirl::sde::flow_grpo)->Unit(benchmark::kMillisecond);
 
 template <class Algorithm>
 void BM_flow_step(benchmark::State& state) {

@@ -32,6 +32,7 @@
 #include <unirl/rewards/weighted.hpp>
 #include <unirl/rollout/token_sampler.hpp>
 #include <unirl/train/plot.hpp>
+#include <unirl/train/sft.hpp>
 #include <unirl/trainer.hpp>
 
 #include "common/addition.hpp"
@@ -103,40 +104,16 @@ double accuracy(const unirl::models::gpt& model, const task& t) {
   return static_cast<double>(right) / static_cast<double>(b.completions.size());
 }
 
-// One supervised step on "a+b=c." sequences; the loss covers the answer and the stop token.
-double pretrain_step(unirl::models::gpt& model, torch::optim::Optimizer& opt, task& t, std::int64_t batch) {
-  std::vector<std::vector<std::int64_t>> seqs;
-  std::vector<std::int64_t> prompt_len;
-  std::size_t L = 0;
-  for (std::int64_t i = 0; i < batch; ++i) {
+// A supervised batch of `n` training problems: prompt "a+b=", completion "c." (the loss covers
+// the answer and the stop token).
+unirl::train::sft_batch pretrain_batch(task& t, std::int64_t n) {
+  std::vector<std::vector<std::int64_t>> prompts, answers;
+  for (std::int64_t i = 0; i < n; ++i) {
     const auto p = t.draw_train();
-    auto ids = t.tok.encode(prompt_of(p) + p.answer() + ".");
-    prompt_len.push_back(static_cast<std::int64_t>(prompt_of(p).size()));
-    L = std::max(L, ids.size());
-    seqs.push_back(std::move(ids));
+    prompts.push_back(t.tok.encode(prompt_of(p)));
+    answers.push_back(t.tok.encode(p.answer() + "."));
   }
-  const auto Li = static_cast<std::int64_t>(L);
-  std::vector<std::int64_t> id_buf(static_cast<std::size_t>(batch * Li), t.tok.pad_id());
-  std::vector<float> mask_buf(static_cast<std::size_t>(batch * Li), 0.f), target_buf(static_cast<std::size_t>(batch * (Li - 1)), 0.f);
-  for (std::int64_t i = 0; i < batch; ++i) {
-    const auto& s = seqs[static_cast<std::size_t>(i)];
-    for (std::size_t j = 0; j < s.size(); ++j) {
-      id_buf[static_cast<std::size_t>(i * Li) + j] = s[j];
-      mask_buf[static_cast<std::size_t>(i * Li) + j] = 1.f;
-    }
-    for (auto j = prompt_len[static_cast<std::size_t>(i)] - 1; j < static_cast<std::int64_t>(s.size()) - 1; ++j)
-      target_buf[static_cast<std::size_t>(i * (Li - 1) + j)] = 1.f;
-  }
-  const auto ids = torch::tensor(id_buf, torch::kInt64).view({batch, Li});
-  const auto mask = torch::tensor(mask_buf, torch::kFloat).view({batch, Li});
-  const auto target_mask = torch::tensor(target_buf, torch::kFloat).view({batch, Li - 1});
-  const auto logits = model.logits(ids.slice(1, 0, Li - 1), mask.slice(1, 0, Li - 1));
-  const auto logp = unirl::models::token_logprob(logits, ids.slice(1, 1, Li), 1.0, false).first;
-  const auto loss = -(logp * target_mask).sum() / target_mask.sum();
-  opt.zero_grad();
-  loss.backward();
-  opt.step();
-  return loss.item<double>();
+  return unirl::train::make_sft_batch(prompts, answers, t.tok.pad_id());
 }
 }  // namespace
 
@@ -161,28 +138,30 @@ int main(int argc, char** argv) try {
   // ---- stage 1: supervised pretraining into the accuracy band --------------------------------
   std::cout << "stage 1: pretraining a " << o.n_layer << "-layer, d=" << o.d_model
             << " character GPT on a+b until held-out accuracy is in [" << o.band_low << ", " << o.band_high << "]\n";
-  torch::optim::AdamW opt(model.parameters(), torch::optim::AdamWOptions(o.pretrain_lr).weight_decay(0.0));
-  double acc = 0.0, loss = 0.0;
+  double acc = 0.0;
   std::int64_t pre_steps = 0;
   const bool cached = !o.pretrained.empty() && std::filesystem::exists(o.pretrained);
   if (cached) {
     torch::load(model.net(), o.pretrained);
     std::cout << "  loaded pretrained weights from " << o.pretrained << "\n";
-    pre_steps = -1;
+  } else {
+    // The library's SFT stage (AdamW, no weight decay, constant lr), stopped by the evaluation
+    // once the held-out accuracy reaches the band.
+    unirl::train::sft_trainer<unirl::models::gpt> sft(
+        model, {.optim = {.lr = o.pretrain_lr}, .batch_size = o.pretrain_batch, .steps = o.pretrain_max_steps,
+                .eval_every = o.eval_every, .progress = false});
+    const auto r = sft.run([&](std::int64_t n) { return pretrain_batch(t, n); },
+                           [&](const unirl::train::supervised_stats& s) {
+                             model.train(false);
+                             acc = accuracy(model, t);
+                             std::cout << "  step " << std::setw(5) << s.step + 1 << "  loss " << std::fixed
+                                       << std::setprecision(3) << s.loss << "  held-out accuracy "
+                                       << std::setprecision(1) << 100 * acc << "%\n"
+                                       << std::flush;
+                             return acc >= o.band_low;
+                           });
+    pre_steps = r.steps;
   }
-  for (; !cached && pre_steps < o.pretrain_max_steps; ++pre_steps) {
-    model.train(true);
-    loss = pretrain_step(model, opt, t, o.pretrain_batch);
-    if ((pre_steps + 1) % o.eval_every == 0) {
-      model.train(false);
-      acc = accuracy(model, t);
-      std::cout << "  step " << std::setw(5) << pre_steps + 1 << "  loss " << std::fixed << std::setprecision(3) << loss
-                << "  held-out accuracy " << std::setprecision(1) << 100 * acc << "%\n"
-                << std::flush;
-      if (acc >= o.band_low) break;
-    }
-  }
-  ++pre_steps;
   const double pretrain_seconds = since(t_start);
   if (!cached && !o.pretrained.empty()) torch::save(model.net(), o.pretrained);
   model.train(false);

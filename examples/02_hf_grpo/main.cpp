@@ -2,6 +2,7 @@
 //
 //   hf_grpo --out runs/hf_grpo                 # defaults
 //   hf_grpo --out runs/x seed=2 steps=300      # any option as key=value
+//   hf_grpo --out runs/lora lora_rank=16 lr=3e-3   # GRPO on LoRA adapters (docs/lora.md)
 //
 // 1. Makes a "pretrained checkpoint" the way a user would have one: a byte-level BPE tokenizer
 //    (Qwen's pre-tokenizer, ChatML special tokens) trained on the task's text, and a small
@@ -60,10 +61,12 @@ struct hf_grpo_options {
   std::int64_t train_records = 4000;  // JSONL training prompts written for the RL stage
   std::int64_t seed = 0;
   std::int64_t threads = 1;
+  std::int64_t lora_rank = 0;        // > 0: GRPO trains rank-r LoRA adapters on every linear layer only
+  double lora_alpha = 32.0;          // LoRA scaling alpha / rank
 };
 BOOST_HANA_ADAPT_STRUCT(hf_grpo_options, max_operand, vocab_size, hidden_size, layers, heads, kv_heads, heldout,
                         sft_lr, sft_batch, sft_max_steps, eval_every, band_low, band_high, steps, prompts_per_step,
-                        group_size, lr, train_records, seed, threads);
+                        group_size, lr, train_records, seed, threads, lora_rank, lora_alpha);
 
 namespace {
 using clock_type = std::chrono::steady_clock;
@@ -205,6 +208,8 @@ int main(int argc, char** argv) try {
   recipe.threads = o.threads;
   recipe.out = (out / "rl").string();
   recipe.checkpoint = {.every = 200, .keep = 1, .resume = true};
+  recipe.lora.rank = o.lora_rank;  // 0: full fine-tuning; else the export is merged, the adapter in export/adapter
+  recipe.lora.alpha = o.lora_alpha;
   std::ofstream(out / "recipe.json") << unirl::options::to_json(recipe).dump(2) << "\n";
   std::cout << "stage 2: GRPO (Dr.GRPO advantages, clip-higher) from " << base.string() << ", "
             << o.prompts_per_step << " prompts x " << o.group_size << " samples, " << o.steps

@@ -55,7 +55,7 @@ struct example_options {
 /// The reward: p_classifier(class = condition | sample).
 struct class_confidence {
   examples::digit_classifier clf;
-  torch::Tensor operator()(const unirl::rollout::flow_rollout& b) {
+  torch::Tensor operator()(const unirl::flow_rollout& b) {
     torch::NoGradGuard ng;
     const auto p = torch::softmax(clf->forward(b.samples().clamp(-1, 1)), 1);
     return p.gather(1, b.conditions.reshape({-1, 1}).to(torch::kInt64)).squeeze(1);
@@ -71,12 +71,11 @@ struct evaluation {
 /// Flow-GRPO SDE (sum over elements and steps) from `policy` to `reference`.
 evaluation evaluate(flow_t& policy, flow_t& reference, class_confidence& reward, const torch::Tensor& real_features) {
   torch::NoGradGuard ng;
-  namespace rl = unirl::rollout;
   evaluation e;
   const examples::scoped_seed fixed_noise(1234);  // the run's own random stream is left as it was
   const auto labels = torch::arange(10, torch::kInt64).repeat_interleave(30);
   const auto noise = torch::randn({300, 1, 8, 8});
-  const auto b = rl::sample_trajectory(rl::ode::euler({.steps = 20}), policy, labels, noise);
+  const auto b = unirl::sample_trajectory(unirl::ode::euler({.steps = 20}), policy, labels, noise);
   e.reward = reward(b).mean().item<double>();
   e.frechet = unirl::eval::frechet_distance(reward.clf->features(b.samples().clamp(-1, 1)), real_features);
   e.samples = b.samples().reshape({10, 30, 1, 8, 8}).slice(1, 0, 10).reshape({100, 1, 8, 8});
@@ -93,16 +92,23 @@ int run(const std::string& name, const typename Algo::options& algo, const examp
   // Data in [-1, 1], and a classifier trained on a fixed split (the reward and the Fréchet features).
   auto setup = examples::prepare_digits(std::string(UNIRL_DATA_DIR) + "/digits.csv.gz");
 
-  // Pretraining (cached): class-conditional flow matching, 10% unconditional for guidance.
+  // Pretraining: class-conditional flow matching, 10% unconditional for guidance, through the
+  // library's stage; its run directory in the output root is the cache (a finished run loads).
   torch::manual_seed(static_cast<std::uint64_t>(opt.seed));
   unirl::models::mlp_velocity_net net(unirl::models::flow_net_options{
       .shape = {1, 8, 8}, .num_classes = 10, .hidden = opt.hidden, .depth = 3, .embed_dim = 64});
-  flow_t pretrained(net, {1, 8, 8});
-  const double pretrain_seconds = examples::pretrain_cached(
-      net, root + "/pretrained_flow_h" + std::to_string(opt.hidden) + "_s" + std::to_string(opt.seed) + ".pt",
-      {.iterations = opt.pretrain_iters, .lr = 1e-3, .log_every = 1000, .what = "flow"}, [&](std::int64_t) {
-        const auto idx = torch::randint(0, setup.images.size(0), {256}, torch::kInt64);
-        return pretrained.flow_matching_loss(setup.images.index_select(0, idx), setup.labels.index_select(0, idx), 0.1);
+  const double pretrain_seconds = examples::pretrain_flow(
+      flow_t(net, {1, 8, 8}),
+      {.objective = {.p_uncond = 0.1},
+       .optim = {.lr = 1e-3},
+       .schedule = {.kind = unirl::train::schedule_kind::cosine},
+       .batch_size = 256,
+       .steps = opt.pretrain_iters,
+       .out = root + "/pretrained_flow_h" + std::to_string(opt.hidden) + "_i" + std::to_string(opt.pretrain_iters) +
+              "_s" + std::to_string(opt.seed)},
+      [&](std::int64_t n) {
+        const auto idx = torch::randint(0, setup.images.size(0), {n}, torch::kInt64);
+        return unirl::train::flow_matching_batch{setup.images.index_select(0, idx), setup.labels.index_select(0, idx)};
       });
 
   using trainer_t = unirl::trainer<flow_t, Algo, class_confidence>;

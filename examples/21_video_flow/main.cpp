@@ -93,7 +93,7 @@ torch::Tensor centre(const torch::Tensor& clips, std::int64_t axis) {
 /// The reward: how far the digit travels to the right between the first and the last frame,
 /// in units of the full sweep.
 struct rightward_motion {
-  torch::Tensor operator()(const unirl::rollout::flow_rollout& b) {
+  torch::Tensor operator()(const unirl::flow_rollout& b) {
     const auto cx = centre(b.samples(), 4);
     return (cx.select(1, kFrames - 1) - cx.select(1, 0)) / kSweep;
   }
@@ -126,12 +126,11 @@ struct evaluation {
 evaluation evaluate(video_t& policy, video_t& reference, examples::digit_classifier& clf,
                     const torch::Tensor& real_features) {
   torch::NoGradGuard ng;
-  namespace rl = unirl::rollout;
   evaluation e;
   const examples::scoped_seed fixed_noise(4321);  // the run's own random stream is left as it was
   const auto labels = torch::arange(10, torch::kInt64).repeat_interleave(10);
   const auto noise = torch::randn({100, kFrames, 1, kCanvas, kCanvas});
-  const auto b = rl::sample_trajectory(rl::ode::euler({.steps = 16}), policy, labels, noise);
+  const auto b = unirl::sample_trajectory(unirl::ode::euler({.steps = 16}), policy, labels, noise);
   const auto r = rightward_motion{}(b);
   e.reward = r.mean().item<double>();
   e.rightward = (r > 0.5).to(torch::kFloat64).mean().item<double>();
@@ -168,20 +167,25 @@ int run(const std::string& name, const typename Algo::options& algo, const examp
     std::cout << "per-frame accuracy on real held-out clips: " << real_frame_accuracy << "\n";
   }
 
-  // Pretraining (cached): class-conditional flow matching on clips, 10% unconditional.
+  // Pretraining: class-conditional flow matching on clips, 10% unconditional, through the
+  // library's stage; its run directory in the output root is the cache (a finished run loads).
   torch::manual_seed(static_cast<std::uint64_t>(opt.seed));
   const std::vector<std::int64_t> shape{kFrames, 1, kCanvas, kCanvas};
   video_net net(unirl::models::flow_net_options{
       .shape = shape, .channels = 1, .num_classes = 10, .hidden = opt.hidden, .depth = 2, .embed_dim = 64});
-  const std::string cache = root + "/pretrained_clip_unet_h" + std::to_string(opt.hidden) + "_i" +
-                            std::to_string(opt.pretrain_iters) + "_s" + std::to_string(opt.seed) + ".pt";
-  video_t pretrained(net, shape);
-  const double pretrain_seconds = examples::pretrain_cached(
-      net, cache, {.iterations = opt.pretrain_iters, .lr = 2e-3, .warmup = 50, .log_every = 100, .what = "video"},
-      [&](std::int64_t) {
-        const auto idx = torch::randint(0, setup.images.size(0), {64}, torch::kInt64);
-        const auto clips = make_clips(setup.images.index_select(0, idx), torch::randint(0, 4, {64}, torch::kInt64));
-        return pretrained.flow_matching_loss(clips, setup.labels.index_select(0, idx), 0.1);
+  const double pretrain_seconds = examples::pretrain_flow(
+      video_t(net, shape),
+      {.objective = {.p_uncond = 0.1},
+       .optim = {.lr = 2e-3},
+       .schedule = {.kind = unirl::train::schedule_kind::cosine, .warmup_steps = 50},
+       .batch_size = 64,
+       .steps = opt.pretrain_iters,
+       .out = root + "/pretrained_clip_unet_h" + std::to_string(opt.hidden) + "_i" +
+              std::to_string(opt.pretrain_iters) + "_s" + std::to_string(opt.seed)},
+      [&](std::int64_t n) {
+        const auto idx = torch::randint(0, setup.images.size(0), {n}, torch::kInt64);
+        const auto clips = make_clips(setup.images.index_select(0, idx), torch::randint(0, 4, {n}, torch::kInt64));
+        return unirl::train::flow_matching_batch{clips, setup.labels.index_select(0, idx)};
       });
 
   using trainer_t = unirl::trainer<video_t, Algo, rightward_motion>;

@@ -2,8 +2,8 @@
 // Shared by the flow-track examples (20_digits_flow, 21_video_flow): a small digit classifier
 // (the reward model and the feature extractor of the Fréchet distance), PNG grids of samples,
 // and the scaffolding around the algorithm: the command line and the choice of algorithm type,
-// cached flow-matching pretraining, the trainer's options and loop, the path KL to the
-// pretrained model and the summary.
+// flow-matching pretraining through the library's stage, the trainer's options and loop, the
+// path KL to the pretrained model and the summary.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -30,6 +30,7 @@
 #include <unirl/core/command_line.hpp>
 #include <unirl/core/options.hpp>
 #include <unirl/rollout/flow_samplers.hpp>
+#include <unirl/train/flow_matching.hpp>
 
 #include "common/digits.hpp"
 
@@ -152,46 +153,21 @@ inline void write_grid_png(const std::string& path, const torch::Tensor& images,
               "write_grid_png: cannot write '", path, "'");
 }
 
-/// Flow-matching pretraining, cached: loads `cache` into `net` when the file exists (returns 0),
-/// otherwise runs `iterations` AdamW steps on `loss_at(i)` (the loss of iteration i's batch) with
-/// a learning rate warmed up linearly over `warmup` iterations (0: none) and annealed to 0 by a
-/// cosine, saves `net` to `cache` and returns the seconds it took.
-/// ```cpp
-/// const double s = examples::pretrain_cached(net, root + "/flow.pt", {.iterations = 800},
-///                                            [&](std::int64_t) { return m.flow_matching_loss(x, y, 0.1); });
-/// ```
-struct pretrain_options {
-  std::int64_t iterations = 800;
-  double lr = 1e-3;
-  std::int64_t warmup = 0;        // iterations of linear warm-up
-  std::int64_t log_every = 1000;  // print the loss every so many iterations
-  std::string what = "flow";      // "loaded the pretrained <what> model"
-};
-
-template <class Net, class LossAt>
-double pretrain_cached(Net& net, const std::string& cache, const pretrain_options& o, LossAt&& loss_at) {
-  if (std::filesystem::exists(cache)) {
-    torch::load(net, cache);
-    std::cout << "loaded the pretrained " << o.what << " model from " << cache << "\n";
-    return 0.0;
-  }
-  torch::optim::AdamW opt(net->parameters(), torch::optim::AdamWOptions(o.lr).weight_decay(0.0));
-  const auto t0 = std::chrono::steady_clock::now();
-  for (std::int64_t i = 0; i < o.iterations; ++i) {
-    const double warm = o.warmup > 0 ? std::min(1.0, static_cast<double>(i + 1) / static_cast<double>(o.warmup)) : 1.0;
-    for (auto& g : opt.param_groups())
-      static_cast<torch::optim::AdamWOptions&>(g.options())
-          .lr(o.lr * warm * 0.5 * (1 + std::cos(M_PI * static_cast<double>(i) / static_cast<double>(o.iterations))));
-    const torch::Tensor loss = loss_at(i);
-    opt.zero_grad();
-    loss.backward();
-    opt.step();
-    if (i % o.log_every == 0) std::cout << "pretrain " << i << " loss " << loss.item<double>() << std::endl;
-  }
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  torch::save(net, cache);
-  std::cout << "pretrained in " << seconds << " s, saved " << cache << "\n";
-  return seconds;
+/// Flow-matching pretraining through the library's stage (`unirl::train::flow_matching_trainer`,
+/// with `o`, batches from `next(n)`); `o.out` is its run directory and the cache: a finished run
+/// loads its last checkpoint (with the generators' states) instead of training, an interrupted
+/// one resumes. Returns the seconds spent training (0 when loaded).
+template <class Model, class NextBatch>
+double pretrain_flow(Model model, const typename unirl::train::flow_matching_trainer<Model>::options& o,
+                     NextBatch&& next) {
+  unirl::train::flow_matching_trainer<Model> stage(std::move(model), o);
+  const auto r = stage.run(std::forward<NextBatch>(next));
+  if (r.steps == 0)
+    std::cout << "loaded the pretrained model from " << o.out << " (step " << stage.step_count() << ")\n";
+  else
+    std::cout << "pretrained " << r.steps << " steps in " << r.seconds << " s (loss " << r.loss_first << " -> "
+              << r.loss_last << "), checkpoint in " << o.out << "\n";
+  return r.seconds;
 }
 
 /// The trainer options both examples use: AdamW at `opt.lr`, gradient clip 1, `opt.group_size`,
@@ -226,14 +202,13 @@ double train_on_random_classes(Trainer& t, const Opt& opt) {
 /// `reference` on trajectories of `policy` for `labels`, averaged over the samples.
 template <class Model>
 double path_kl(Model& policy, Model& reference, const torch::Tensor& labels, std::int64_t steps) {
-  namespace rl = unirl::rollout;
   torch::NoGradGuard ng;
-  const rl::sde::flow_grpo sde({.steps = steps, .reduction = rl::logprob_reduction::sum});
-  const auto path = rl::sample_trajectory(sde, policy, labels);
+  const unirl::sde::flow_grpo sde({.steps = steps, .reduction = unirl::logprob_reduction::sum});
+  const auto path = unirl::sample_trajectory(sde, policy, labels);
   torch::Tensor kl = torch::zeros({labels.size(0)});
   for (std::int64_t k = 0; k < path.steps(); ++k) {
-    const auto ref = rl::replay_step(sde, reference, path, k);
-    kl += rl::gaussian_kl(path.means.select(1, k), ref.step.mean, ref.step.std, rl::logprob_reduction::sum);
+    const auto ref = unirl::replay_step(sde, reference, path, k);
+    kl += unirl::gaussian_kl(path.means.select(1, k), ref.step.mean, ref.step.std, unirl::logprob_reduction::sum);
   }
   return kl.mean().item<double>();
 }
@@ -297,7 +272,7 @@ int run_chosen_algorithm(Opt& opt, int argc, char** argv, const std::string& def
   auto flags = unirl::options::parse_command_line(opt, argc, argv, {{"out", default_out}, {"algorithm", "grpo"}});
   const std::string algorithm = flags["algorithm"], root = flags["out"];
   std::cout << unirl::options::to_string(opt) << "\n";
-  const unirl::rollout::flow_sampler_options sde{.steps = opt.sampler_steps};
+  const unirl::flow_sampler_options sde{.steps = opt.sampler_steps};
   namespace algo = unirl::algo;
   if (algorithm == "grpo")
     return run(std::type_identity<algo::flow_grpo<>>{}, "flow_grpo",

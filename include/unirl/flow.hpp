@@ -3,7 +3,9 @@
 /// Everything the flow track (image and video diffusion / flow matching) needs, with the
 /// trainer: Flow-GRPO (and DanceGRPO through its sampler), Flow-DPPO, RAM, DiffusionNFT, the
 /// flow-matching, DDPM and video adapters with their built-in networks, the ODE / SDE / DDIM
-/// samplers and the Fréchet distance. Flow types live in `unirl::rollout` (samplers, batches).
+/// samplers and the Fréchet distance. Flow types live in `unirl::` as the token and env
+/// track's do (`unirl::flow_rollout`, `unirl::flow_track`, `unirl::sde::flow_grpo`,
+/// `unirl::sample_trajectory`); the algorithms and their free losses in `unirl::algo`.
 ///
 /// ```cpp
 /// #include <unirl/flow.hpp>

@@ -36,6 +36,7 @@
 #include <vector>
 
 #include <boost/hana.hpp>
+#include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
 #include <unirl/concepts/algorithm.hpp>
@@ -49,12 +50,17 @@
 #include <unirl/core/error.hpp>
 #include <unirl/core/host.hpp>
 #include <unirl/core/options.hpp>
+#include <unirl/core/precision.hpp>
 #include <unirl/core/stats.hpp>
 #include <unirl/exec/policy.hpp>
+#include <unirl/models/activation_checkpoint.hpp>
+#include <unirl/models/lora.hpp>
 #include <unirl/parallel/single_device.hpp>
 #include <unirl/train/checkpoint.hpp>
 #include <unirl/train/clip.hpp>
 #include <unirl/train/guard.hpp>
+#include <unirl/train/loss_scaler.hpp>
+#include <unirl/train/memory.hpp>
 #include <unirl/train/metrics.hpp>
 #include <unirl/train/optimizer.hpp>
 #include <unirl/train/schedule.hpp>
@@ -69,9 +75,15 @@ struct trainer_options {
   train::schedule_options schedule{};       // warmup + constant / linear / cosine
   train::clip_options clip{};               // global gradient-norm clipping
   train::guard_options guard{};             // NaN/Inf skips, loss and grad-norm spike monitor
+  train::memory_options memory{};           // activation checkpointing, reference placement, tracker
+  ::unirl::precision precision = ::unirl::precision::fp32;  // forwards and backward: fp32, bf16, fp16 (autocast;
+                                                            // float32 master weights and optimizer state)
+  train::loss_scale_options loss_scale{};   // dynamic loss scaling (with fp16; any precision with mode = on)
   std::int64_t group_size = Algorithm::requires_group ? 8 : 1;  // samples per prompt / condition
   std::int64_t epochs = 1;        // passes over each rollout batch
   std::int64_t minibatches = 1;   // optimizer steps per pass
+  std::int64_t micro_batch_size = 0;  // samples per forward/backward inside a minibatch (gradient
+                                      // accumulation, the same update); 0: the whole minibatch at once
   std::int64_t seed = 0;          // seeds LibTorch's generators (plus the rank)
   std::string device = "cpu";     // "cpu", "cuda", "cuda:1"
   std::string metrics_path{};     // JSONL, one object per step; empty: none
@@ -85,6 +97,8 @@ struct trainer_options {
                        ">= 2: this algorithm normalises rewards within a group");
     options::require(epochs >= 1, p + "epochs", epochs, ">= 1");
     options::require(minibatches >= 1, p + "minibatches", minibatches, ">= 1");
+    options::require(micro_batch_size >= 0, p + "micro_batch_size", micro_batch_size,
+                     ">= 0 (0: the whole minibatch in one forward)");
     if constexpr (!Algorithm::supports_multi_update)
       options::require(epochs * minibatches == 1, p + "epochs", epochs,
                        "1 with minibatches = 1: this algorithm is strictly on-policy");
@@ -94,6 +108,7 @@ struct trainer_options {
     } catch (const std::exception&) {
       throw config_error(p + "device", "value \"" + device + "\" is not a device: expected cpu, cuda or cuda:N");
     }
+    check_precision_supported(precision, torch::Device(device), p + "precision");
   }
 };
 
@@ -108,8 +123,9 @@ struct accessors_impl<unirl::trainer_options<A>> {
   make_pair(BOOST_HANA_STRING(#name), [](auto&& s) -> decltype(auto) { return (static_cast<decltype(s)&&>(s).name); })
   static constexpr auto apply() {
     return make_tuple(UNIRL_MEMBER(algorithm), UNIRL_MEMBER(optim), UNIRL_MEMBER(schedule), UNIRL_MEMBER(clip),
-                      UNIRL_MEMBER(guard), UNIRL_MEMBER(group_size), UNIRL_MEMBER(epochs),
-                      UNIRL_MEMBER(minibatches), UNIRL_MEMBER(seed), UNIRL_MEMBER(device),
+                      UNIRL_MEMBER(guard), UNIRL_MEMBER(memory), UNIRL_MEMBER(precision), UNIRL_MEMBER(loss_scale),
+                      UNIRL_MEMBER(group_size), UNIRL_MEMBER(epochs), UNIRL_MEMBER(minibatches),
+                      UNIRL_MEMBER(micro_batch_size), UNIRL_MEMBER(seed), UNIRL_MEMBER(device),
                       UNIRL_MEMBER(metrics_path), UNIRL_MEMBER(progress), UNIRL_MEMBER(total_steps));
   }
 #undef UNIRL_MEMBER
@@ -219,6 +235,7 @@ class trainer {
         guard_(opts_.guard) {
     check_against_model();
     torch::manual_seed(static_cast<std::uint64_t>(opts_.seed + parallel_.rank()));
+    models::enable_checkpointing(models_.policy, opts_.memory.checkpointing);  // the critic copies it
     models_.policy.to(device_);
     if constexpr (algorithm_type::requires_critic && CriticFactory<Model>) {
       models_.critic.emplace(models_.policy.make_critic());
@@ -238,7 +255,8 @@ class trainer {
       bool use = true;
       if constexpr (requires(const algorithm_type& a) { { a.uses_reference() } -> std::convertible_to<bool>; })
         use = algorithm_.uses_reference();
-      if (use) models_.reference.emplace(frozen_copy(models_.policy));
+      if (use) models_.reference.emplace(reference_of(models_.policy));
+      if (models_.reference && !reference_shared_) place_reference();
     }
     if constexpr (algorithm_type::requires_ema_rollout) models_.ema.emplace(frozen_copy(models_.policy));
 
@@ -263,19 +281,25 @@ class trainer {
     s.step = step_;
     deferred_checks checks;                        // checks of device values wait for this step's reads
     std::map<std::string, torch::Tensor> pending;  // tensor figures the algorithm reports, read at the end
-    const step_info info{step_, opts_.group_size, device_, &s.extra, opts_.epochs * opts_.minibatches, &pending};
+    const step_info info{step_,   opts_.group_size,
+                         device_, &s.extra,
+                         opts_.epochs * opts_.minibatches, &pending,
+                         opts_.memory.logprob_chunk};
     optimizer_->set_lr_multiplier(train::lr_multiplier(schedule(), step_));
     s.learning_rate = optimizer_->learning_rate();
 
     if constexpr (requires { input.tokens.at(0).size(); }) check_prompt_lengths(input);  // a prompt_batch
     const auto t0 = clock::now();
+    if (opts_.memory.track) memory_.start();
     std::optional<rollout_type> batch;
     {
       torch::NoGradGuard no_grad;
+      autocast_scope amp(device_, opts_.precision);
       models_.policy.train(false);
       batch.emplace(algorithm_.sample(models_, input, info));
     }
     const auto t1 = clock::now();
+    if (opts_.memory.track) memory_.lap(s.extra, "sample");
     torch::Tensor rewards;
     {
       torch::NoGradGuard no_grad;
@@ -285,6 +309,7 @@ class trainer {
     if constexpr (ReportsComponents<Reward>)
       for (const auto& [k, v] : reward_.last_components()) s.extra["reward/" + k] = v;
     const auto t2 = clock::now();
+    if (opts_.memory.track) memory_.lap(s.extra, "reward");
     s.samples = batch->size();
     // One read: whether the rewards are finite, their statistics, and the checks deferred while sampling.
     const torch::Tensor r64 = rewards.detach().to(device_, torch::kFloat64);
@@ -301,9 +326,11 @@ class trainer {
     torch::Tensor adv;
     if (rewards_ok) {
       torch::NoGradGuard no_grad;
+      autocast_scope amp(device_, opts_.precision);
       adv = algorithm_.advantage(models_, *batch, rewards.to(device_), info);
     }
     const auto t3 = clock::now();
+    if (opts_.memory.track) memory_.lap(s.extra, "advantage");
     update_result u;
     if (rewards_ok) {
       u = update(*batch, info, s, checks);
@@ -314,9 +341,14 @@ class trainer {
     }
     finish_statistics(s, r64, adv, u, pending, checks);
     const auto t4 = clock::now();
+    if (opts_.memory.track) memory_.lap(s.extra, "update");
     parallel_.sync_weights(models_.policy.parameters());
     sync_buffers();
     const auto t5 = clock::now();
+    if (opts_.memory.track) {
+      memory_.lap(s.extra, "sync");
+      if (models_.reference) s.extra["memory/reference_mb"] = static_cast<double>(reference_bytes_) / (1024.0 * 1024.0);
+    }
 
     s.time_sample = seconds(t0, t1);
     s.time_reward = seconds(t1, t2);
@@ -348,7 +380,7 @@ class trainer {
       a.write("unirl.format", torch::tensor(std::int64_t{1}));
       a.write("unirl.step", torch::tensor(step_));
       train::save_tensors(a, "policy.", state_of(models_.policy));
-      if (models_.reference) train::save_tensors(a, "reference.", state_of(*models_.reference));
+      if (models_.reference && !reference_shared_) train::save_tensors(a, "reference.", state_of(*models_.reference));
       if (models_.ema) train::save_tensors(a, "ema.", state_of(*models_.ema));
       if constexpr (algorithm_type::requires_critic && CriticFactory<Model>)
         train::save_tensors(a, "critic.", state_of(*models_.critic));
@@ -357,6 +389,11 @@ class trainer {
       a.write("optimizer", opt);
       guard_.save(guard);
       a.write("guard", guard);
+      if (scaling_) {
+        torch::serialize::OutputArchive scale;
+        scaler_.save(scale);
+        a.write("loss_scale", scale);
+      }
       if constexpr (requires(const algorithm_type& al, torch::serialize::OutputArchive& ar) { al.save(ar); }) {
         torch::serialize::OutputArchive alg;
         algorithm_.save(alg);
@@ -392,7 +429,7 @@ class trainer {
       a.read("unirl.step", t);
       step_ = t.item<std::int64_t>();
       train::load_tensors(a, "policy.", state_of(models_.policy));
-      if (models_.reference) train::load_tensors(a, "reference.", state_of(*models_.reference));
+      if (models_.reference && !reference_shared_) train::load_tensors(a, "reference.", state_of(*models_.reference));
       if (models_.ema) train::load_tensors(a, "ema.", state_of(*models_.ema));
       if constexpr (algorithm_type::requires_critic && CriticFactory<Model>)
         train::load_tensors(a, "critic.", state_of(*models_.critic));
@@ -401,6 +438,10 @@ class trainer {
       optimizer_->load(opt);
       a.read("guard", guard);
       guard_.load(guard);
+      if (scaling_ && train::has_key(a, "loss_scale")) {
+        auto scale = train::read_archive(a, "loss_scale", "trainer::load");
+        scaler_.load(scale);
+      }
       if constexpr (requires(algorithm_type& al, torch::serialize::InputArchive& ar) { al.load(ar); }) {
         torch::serialize::InputArchive alg;
         a.read("algorithm", alg);
@@ -503,6 +544,41 @@ class trainer {
         }
       }
     }
+  }
+
+  // Moves the frozen reference to `memory.reference_device` (when set) and notes its size.
+  void place_reference() {
+    if (!opts_.memory.reference_device.empty()) {
+      const torch::Device d(opts_.memory.reference_device);
+      if (d != device_ && !detail::on_token_track<Model>)
+        throw config_error("memory.reference_device",
+                           "value \"" + opts_.memory.reference_device + "\" differs from device = \"" + opts_.device +
+                               "\", but only the token track computes reference log-probs off the training device; "
+                               "expected empty or \"" + opts_.device + "\"");
+      if (d.is_cuda() && (!torch::cuda::is_available() || d.index() >= static_cast<int>(torch::cuda::device_count())))
+        throw config_error("memory.reference_device", "value \"" + opts_.memory.reference_device +
+                                                          "\" names a CUDA device this process does not see");
+      models_.reference->to(d);
+    }
+    reference_bytes_ = train::state_bytes(*models_.reference);
+  }
+
+  // The reference model: a frozen copy of the policy, or — for a policy with LoRA adapters — the
+  // policy itself (no second copy of the weights), which the algorithms score with the adapters
+  // switched off (lora::without_adapters): the base model.
+  Model reference_of(const Model& m) {
+    if constexpr (std::copy_constructible<Model>) {
+      if (lora::has_adapters(m.named_parameters())) {
+        if (!opts_.memory.reference_device.empty() && torch::Device(opts_.memory.reference_device) != device_)
+          throw config_error("memory.reference_device",
+                             "value \"" + opts_.memory.reference_device + "\": the reference of a model with LoRA "
+                             "adapters is the policy's own weights with the adapters off; expected empty or \"" +
+                                 opts_.device + "\"");
+        reference_shared_ = true;
+        return m;
+      }
+    }
+    return frozen_copy(m);
   }
 
   static Model frozen_copy(const Model& m) {
@@ -714,11 +790,14 @@ class trainer {
       for (std::int64_t m = 0; m < mb_count; ++m) {
         const std::int64_t lo = m * n / mb_count, hi = (m + 1) * n / mb_count;
         if (hi <= lo) continue;
-        const auto mb = batch.select(perm.slice(0, lo, hi).to(device_));
+        // A reflected batch (core/batch.hpp: batch::select takes an index on any device) gets the
+        // host index: no device round trip for its host members; any other on the device.
+        const auto mb = batch.select(boost::hana::Struct<rollout_type>::value ? perm.slice(0, lo, hi)
+                                                                              : perm.slice(0, lo, hi).to(device_));
         optimizer_->zero_grad();
-        loss_terms terms = algorithm_.loss(models_, mb, info);
-        terms.total.backward();
+        loss_terms terms = forward_backward(mb, info);  // terms.total detached; gradients in place
         parallel_.all_reduce_gradients(params_);
+        if (scaling_) scaler_.unscale(params_);
         for (std::size_t g = 0; g < optimizer_->group_count(); ++g)
           if (optimizer_->group_max_grad_norm(g) > 0)
             train::clip_grads(optimizer_->group_params(g), train::grad_norm_tensor(optimizer_->group_params(g)),
@@ -740,9 +819,17 @@ class trainer {
         }
         if (!parallel_.all_agree(got.at(1) == 0.0)) {
           optimizer_->zero_grad();
-          skip(s, "non-finite gradient");
+          if (scaling_) {  // an overflow of the loss scale: lower it and skip (PyTorch's GradScaler)
+            const double was = scaler_.value();
+            scaler_.update(false);
+            skip(s, detail::concat("non-finite gradient under loss scale ", was, "; scale lowered to ",
+                                   scaler_.value()).c_str());
+          } else {
+            skip(s, "non-finite gradient");
+          }
           continue;
         }
+        if (scaling_) scaler_.update(true);
         if (opts_.clip.max_grad_norm > 0) train::clip_grads(params_, norm, opts_.clip.max_grad_norm);
         s.grad_spike = guard_.observe_grad_norm(gn) || s.grad_spike;
         optimizer_->step();
@@ -762,7 +849,84 @@ class trainer {
     }
     optimizer_->zero_grad();
     s.optimizer_steps = u.taken;
+    if (scaling_) s.extra["loss_scale"] = scaler_.value();
     return u;
+  }
+
+  // The forward and backward of one minibatch, under the precision's autocast (the backward
+  // outside it, as torch.autocast wants), the loss multiplied by the loss scale when scaling is on.
+  // With `micro_batch_size` the minibatch runs in micro-batches whose losses weigh
+  // n_i / sum_j n_j, n_i the algorithm's `loss_normaliser` (the valid tokens under token_mean,
+  // the sequences otherwise; the sample count for an algorithm without one) — the gradients of
+  // the whole minibatch's loss — after `prepare_minibatch` took the statistics the micro-batches
+  // share (PPO's advantage whitening). Returns the minibatch's terms, `total` detached, the
+  // figures weighted the same way.
+  loss_terms forward_backward(const rollout_type& mb, const step_info& info) {
+    const std::int64_t n = mb.size(), k = opts_.micro_batch_size;
+    auto backward = [&](const torch::Tensor& loss) { (scaling_ ? scaler_.scale(loss) : loss).backward(); };
+    if (k <= 0 || k >= n) {
+      loss_terms t = [&] {
+        autocast_scope amp(device_, opts_.precision);
+        return algorithm_.loss(models_, mb, info);
+      }();
+      backward(t.total);
+      t.total = t.total.detach();
+      return t;
+    }
+    step_info micro = info;
+    micro.micro_batches = (n + k - 1) / k;
+    const rollout_type whole = prepared(mb);
+    std::vector<rollout_type> parts;
+    std::vector<torch::Tensor> mass;
+    for (std::int64_t lo = 0; lo < n; lo += k) {
+      parts.push_back(whole.select(torch::arange(lo, std::min(n, lo + k), torch::kInt64).to(device_)));
+      mass.push_back(normaliser_of(parts.back()));
+    }
+    const torch::Tensor all = torch::stack(mass).sum();
+    loss_terms out;
+    auto acc = [&](scalar_stat& into, const scalar_stat& x, const torch::Tensor& w) {
+      const torch::Tensor v = x.tensor(device_) * w;
+      into = scalar_stat(into.value.defined() ? into.value + v : v);
+    };
+    scalar_stat total;
+    for (std::size_t i = 0; i < parts.size(); ++i) {
+      const torch::Tensor w = torch::where(all > 0, mass[i] / all, torch::zeros_like(all));  // () float64
+      loss_terms t = [&] {
+        autocast_scope amp(device_, opts_.precision);
+        return algorithm_.loss(models_, parts[i], micro);
+      }();
+      backward(t.total * w.to(t.total.scalar_type()));
+      acc(total, t.total.detach(), w);
+      acc(out.policy, t.policy, w);
+      acc(out.value, t.value, w);
+      acc(out.kl, t.kl, w);
+      acc(out.entropy, t.entropy, w);
+      acc(out.ratio_mean, t.ratio_mean, w);
+      acc(out.clip_fraction, t.clip_fraction, w);
+      for (const auto& [key, v] : t.extra) acc(out.extra[key], v, w);
+    }
+    out.total = total.value;
+    return out;
+  }
+
+  // The minibatch with the statistics its micro-batches share (the algorithm's prepare_minibatch).
+  rollout_type prepared(const rollout_type& mb) const {
+    if constexpr (requires(const algorithm_type& a, const rollout_type& r) {
+                    { a.prepare_minibatch(r) } -> std::convertible_to<rollout_type>;
+                  })
+      return algorithm_.prepare_minibatch(mb);
+    else
+      return mb;
+  }
+
+  // What the loss of `b` divides by (the algorithm's loss_normaliser; else its samples): () float64.
+  torch::Tensor normaliser_of(const rollout_type& b) const {
+    if constexpr (requires(const algorithm_type& a, const rollout_type& r) {
+                    { a.loss_normaliser(r) } -> std::convertible_to<torch::Tensor>;
+                  })
+      return algorithm_.loss_normaliser(b).to(device_, torch::kFloat64).reshape({});
+    else
+      return torch::full({}, static_cast<double>(b.size()), f64());
   }
 
   void skip(step_stats& s, const char* why) {
@@ -792,6 +956,12 @@ class trainer {
   std::optional<train::progress_line> progress_;
   std::int64_t step_ = 0;
   bool resumed_ = false;
+  bool reference_shared_ = false;  // the reference is the policy with its LoRA adapters off
+  train::memory_tracker memory_{device_};
+  bool scaling_ = opts_.loss_scale.mode == train::loss_scaling::on ||
+                  (opts_.loss_scale.mode == train::loss_scaling::automatic && opts_.precision == precision::fp16);
+  train::loss_scaler scaler_{opts_.loss_scale};
+  std::int64_t reference_bytes_ = 0;
 };
 
 }  // namespace unirl

@@ -7,6 +7,7 @@
 #include <unirl/envs/cartpole.hpp>
 #include <unirl/envs/vector_env.hpp>
 #include <unirl/models/module_adapter.hpp>
+#include <unirl/parallel/data_parallel.hpp>
 
 #include <cmath>
 #include <filesystem>
@@ -86,8 +87,26 @@ static bool yaml_as_expected() {
   return true;
 }
 
+// unirl's data parallelism compiles and runs against this LibTorch: c10d's Gloo process group is
+// declared only when LibTorch's USE_DISTRIBUTED and USE_C10D_GLOO reach the compiler (from
+// LibTorch's CMake package, or from unirl's FindTorch.cmake in the find_package consumer).
+static bool gloo_works() {
+  const auto store =
+      std::filesystem::temp_directory_path() / ("unirl_consumer_store_" + std::to_string(::getpid()));
+  bool ok = false;
+  {
+    unirl::parallel::data_parallel<unirl::parallel::gloo> dp(
+        0, 1, {.file_path = store.string(), .interface_host = "127.0.0.1", .timeout = std::chrono::seconds(60)});
+    ok = dp.world_size() == 1 && dp.all_agree(true);
+  }
+  std::filesystem::remove(store);
+  if (!ok) std::cerr << "a one-rank Gloo process group did not agree with itself\n";
+  return ok;
+}
+
 int main() {
   if (!yaml_as_expected()) return 1;
+  if (!gloo_works()) return 1;
   torch::manual_seed(0);
   unirl::envs::vector_env<unirl::envs::cartpole> env({}, {.num_envs = 2});
   my_trainer t(my_model{linear_agent()}, {},

@@ -7,11 +7,15 @@
 
 #include <torch/torch.h>
 
+#include <unirl/data/jsonl.hpp>
 #include <unirl/env.hpp>
 #include <unirl/flow.hpp>
+#include <unirl/models/hf/causal_lm.hpp>
 #include <unirl/parallel/data_parallel.hpp>
 #include <unirl/rewards.hpp>
 #include <unirl/token.hpp>
+#include <unirl/train/flow_matching.hpp>
+#include <unirl/train/sft.hpp>
 
 using namespace unirl;
 
@@ -155,7 +159,7 @@ static_assert(TokenCritic<models::gpt_critic> && PackedTokenCritic<models::gpt_c
 static_assert(!TokenCritic<near_miss::critic_without_values> && !TokenCritic<gpt>);
 
 // RolloutBatch, Checkpointable, Reflectable
-static_assert(RolloutBatch<token_rollout> && RolloutBatch<rollout::flow_rollout> && RolloutBatch<env_rollout> &&
+static_assert(RolloutBatch<token_rollout> && RolloutBatch<flow_rollout> && RolloutBatch<env_rollout> &&
               RolloutBatch<rewards::json_batch>);
 static_assert(!RolloutBatch<near_miss::batch_without_select> && !RolloutBatch<prompt_batch>);
 static_assert(Checkpointable<envs::cartpole> && Checkpointable<envs::pendulum> && Checkpointable<cart_venv> &&
@@ -183,11 +187,11 @@ static_assert(NoiseModel<ddpm_t> && !NoiseModel<flow_t>);
 static_assert(ConditionalNet<models::mlp_velocity_net> && ConditionalNet<models::conv_velocity_net> &&
               ConditionalNet<models::temporal_velocity_net> && ConditionalNet<models::clip_unet_velocity_net>);
 static_assert(!ConditionalNet<models::gpt_net> && !ConditionalNet<int>);
-static_assert(SamplerFor<rollout::ode::euler, flow_t> && SamplerFor<rollout::sde::flow_grpo, flow_t> &&
-              SamplerFor<rollout::sde::cps, flow_t> && SamplerFor<rollout::sde::dance, video_t> &&
-              SamplerFor<rollout::sde::ddim, ddpm_t>);
-static_assert(!SamplerFor<rollout::sde::ddim, flow_t> && !SamplerFor<rollout::ode::euler, ddpm_t> &&
-              !SamplerFor<rollout::sde::flow_grpo, ddpm_t>);
+static_assert(SamplerFor<ode::euler, flow_t> && SamplerFor<sde::flow_grpo, flow_t> &&
+              SamplerFor<sde::cps, flow_t> && SamplerFor<sde::dance, video_t> &&
+              SamplerFor<sde::ddim, ddpm_t>);
+static_assert(!SamplerFor<sde::ddim, flow_t> && !SamplerFor<ode::euler, ddpm_t> &&
+              !SamplerFor<sde::flow_grpo, ddpm_t>);
 
 // Rewards
 static_assert(RewardFor<rewards::environment_reward, env_rollout> && RewardFor<text_reward, token_rollout>);
@@ -195,13 +199,13 @@ static_assert(!RewardFor<rewards::environment_reward, token_rollout> &&
               !RewardFor<near_miss::scores_doubles, token_rollout>);
 static_assert(ScorerFor<rewards::exact_answer, token_rollout> && ScorerFor<rewards::regex_format, token_rollout> &&
               ScorerFor<rewards::overlong_penalty, token_rollout> && ScorerFor<rewards::bleu_reward, token_rollout>);
-static_assert(!ScorerFor<rewards::exact_answer, rollout::flow_rollout>);
+static_assert(!ScorerFor<rewards::exact_answer, flow_rollout>);
 static_assert(ReportsComponents<text_reward> && !ReportsComponents<rewards::exact_answer>);
 static_assert(HasCompletions<token_rollout> && HasReferences<token_rollout> && HasPrompts<token_rollout> &&
               HasCompletions<rewards::json_batch>);
-static_assert(!HasCompletions<rollout::flow_rollout> && !HasReferences<near_miss::texts_only> &&
+static_assert(!HasCompletions<flow_rollout> && !HasReferences<near_miss::texts_only> &&
               !HasPrompts<env_rollout>);
-static_assert(HasImages<rollout::flow_rollout> && !HasImages<token_rollout>);
+static_assert(HasImages<flow_rollout> && !HasImages<token_rollout>);
 static_assert(rewards::HasCompletionLengths<token_rollout> && !rewards::HasCompletionLengths<near_miss::texts_only>);
 
 // ParallelStrategy: the trainer reduces its statistics through all_reduce_mean(tensor)
@@ -217,7 +221,7 @@ static_assert(!GroupAdvantageEstimator<near_miss::double_estimator> && !GroupAdv
 // Algorithm: every algorithm; a family (ppo<>) is not one itself, its member for a track is
 static_assert(Algorithm<algo::grpo<>> && Algorithm<algo::grpo<exec::reference>>);
 static_assert(Algorithm<algo::ppo<>::for_track<token_track>> && Algorithm<algo::ppo<exec::cpu, env_track>>);
-static_assert(Algorithm<algo::flow_grpo<>> && Algorithm<algo::flow_grpo<rollout::sde::dance>> &&
+static_assert(Algorithm<algo::flow_grpo<>> && Algorithm<algo::flow_grpo<sde::dance>> &&
               Algorithm<algo::flow_dppo<>> && Algorithm<algo::ram<>> && Algorithm<algo::diffusion_nft<>>);
 static_assert(!Algorithm<algo::ppo<>> && !Algorithm<near_miss::algorithm_without_tracks> && !Algorithm<int>);
 static_assert(std::is_same_v<algorithm_for_t<algo::ppo<>, gpt>, algo::ppo<exec::automatic, token_track>>);
@@ -228,13 +232,13 @@ static_assert(AlgorithmFor<algo::grpo<>, gpt> && AlgorithmFor<algo::grpo<>, ts_l
 static_assert(!AlgorithmFor<algo::grpo<>, cat_ac> && !AlgorithmFor<algo::grpo<>, flow_t> &&
               !AlgorithmFor<algo::grpo<>, near_miss::lm_without_cache>);
 static_assert(AlgorithmFor<algo::ppo<>, gpt> && AlgorithmFor<algo::ppo<>, cat_ac> && AlgorithmFor<algo::ppo<>, gauss_ac>);
-static_assert(AlgorithmFor<algo::flow_grpo<>, flow_t> && AlgorithmFor<algo::flow_grpo<rollout::sde::ddim>, ddpm_t> &&
-              AlgorithmFor<algo::flow_dppo<rollout::sde::cps>, video_t>);
+static_assert(AlgorithmFor<algo::flow_grpo<>, flow_t> && AlgorithmFor<algo::flow_grpo<sde::ddim>, ddpm_t> &&
+              AlgorithmFor<algo::flow_dppo<sde::cps>, video_t>);
 static_assert(!AlgorithmFor<algo::flow_grpo<>, ddpm_t> && !AlgorithmFor<algo::flow_grpo<>, gpt>);
 static_assert(AlgorithmFor<algo::diffusion_nft<>, flow_t> && AlgorithmFor<algo::diffusion_nft<>, video_t>);
 static_assert(!AlgorithmFor<algo::diffusion_nft<>, ddpm_t> &&
-              !AlgorithmFor<algo::diffusion_nft<rollout::sde::ddim>, ddpm_t>);  // the NFT loss needs velocities
-static_assert(AlgorithmFor<algo::ram<>, flow_t> && AlgorithmFor<algo::ram<rollout::sde::ddim>, ddpm_t>);
+              !AlgorithmFor<algo::diffusion_nft<sde::ddim>, ddpm_t>);  // the NFT loss needs velocities
+static_assert(AlgorithmFor<algo::ram<>, flow_t> && AlgorithmFor<algo::ram<sde::ddim>, ddpm_t>);
 static_assert(!AlgorithmFor<algo::ram<>, ddpm_t>);  // an ODE velocity sampler cannot drive a noise model
 
 // SamplesFrom: the input each algorithm draws from
@@ -266,8 +270,8 @@ struct one_step {
   options opts;
   explicit one_step(const options& o = {}) : opts(o) {}
   template <class M>
-  rollout::step_coefficients coefficients(M&, double t, double t_next) const {
-    return rollout::math::euler(t, t_next);
+  step_coefficients coefficients(M&, double t, double t_next) const {
+    return flow_math::euler(t, t_next);
   }
   template <VelocityModel M>
   torch::Tensor predict(M& m, const torch::Tensor& x, double t, const torch::Tensor& cond) const {
@@ -275,10 +279,97 @@ struct one_step {
   }
   template <class M>
   std::vector<double> timesteps(M&) const { return {1.0, 0.0}; }
-  rollout::logprob_reduction reduction() const { return rollout::logprob_reduction::mean; }
+  logprob_reduction reduction() const { return logprob_reduction::mean; }
 };
 }  // namespace custom
 static_assert(std::is_same_v<decltype(algo::ram<custom::one_step>::options{}.sampler), custom::one_step_options>);
 static_assert(std::is_same_v<algo::flow_grpo<>::options, algo::flow_grpo_options>);
 static_assert(SamplerFor<custom::one_step, flow_t> && AlgorithmFor<algo::ram<custom::one_step>, flow_t>);
 static_assert(unirl::options::reflects_every_member<algo::ram<custom::one_step>::options>);
+
+// The Hugging Face models (models/hf/), the hidden-state refinement, and the shipped models of
+// the concepts above that the sections there do not name.
+namespace near_miss {
+// HiddenStateCausalLM: a complete CausalLM with hidden states but no LM head weight
+struct lm_without_head : module {
+  using track = token_track;
+  struct cache_type {};
+  lm_without_head clone() const { return {}; }
+  torch::Tensor logits(const torch::Tensor& ids, const torch::Tensor&) const { return ids; }
+  cache_type make_cache(std::int64_t, std::int64_t) const { return {}; }
+  torch::Tensor logits_cached(const torch::Tensor& ids, const torch::Tensor&, cache_type&) const { return ids; }
+  std::int64_t vocab_size() const { return 8; }
+  torch::Tensor hidden_states(const torch::Tensor& ids, const torch::Tensor&) const { return ids; }
+};
+struct lm_with_head : lm_without_head {
+  lm_with_head clone() const { return {}; }
+  torch::Tensor lm_head_weight() const { return {}; }
+};
+}  // namespace near_miss
+namespace {
+using hf_lm = models::hf::causal_lm;
+using hf_critic = models::hf::causal_lm_critic;
+}  // namespace
+
+// TrainableModule / ModelAdapter / CriticFactory: every shipped model
+static_assert(TrainableModule<gpt> && TrainableModule<ts_lm> && TrainableModule<hf_lm> && TrainableModule<hf_critic> &&
+              TrainableModule<cat_ac> && TrainableModule<gauss_ac> && TrainableModule<flow_t> &&
+              TrainableModule<ddpm_t>);
+static_assert(ModelAdapter<hf_lm> && !ModelAdapter<hf_critic> && !ModelAdapter<models::gpt_critic>);
+static_assert(CriticFactory<hf_lm> && !CriticFactory<near_miss::tracked>);
+
+// CausalLM and every refinement: the Hugging Face decoder models all of them
+static_assert(CausalLM<hf_lm> && PackedCausalLM<hf_lm> && PrefixSharingCausalLM<hf_lm> && HiddenStateCausalLM<hf_lm>);
+static_assert(!CausalLM<hf_critic> && !PackedCausalLM<near_miss::lm_without_cache> &&
+              !PrefixSharingCausalLM<near_miss::lm_with_head>);
+static_assert(HiddenStateCausalLM<near_miss::lm_with_head> && CausalLM<near_miss::lm_without_head>);
+static_assert(!HiddenStateCausalLM<near_miss::lm_without_head> && !HiddenStateCausalLM<gpt> &&
+              !HiddenStateCausalLM<ts_lm> && !HiddenStateCausalLM<near_miss::lm_without_cache>);
+static_assert(TokenCritic<hf_critic> && PackedTokenCritic<hf_critic>);
+static_assert(!TokenCritic<hf_lm> && !PackedTokenCritic<near_miss::critic_without_values>);
+
+// The algorithms train the Hugging Face model as they train the built-in GPT
+static_assert(AlgorithmFor<algo::grpo<>, hf_lm> && AlgorithmFor<algo::ppo<>, hf_lm> &&
+              AlgorithmFor<algo::grpo<exec::reference>, hf_lm>);
+static_assert(SamplesFrom<algo::grpo<>, hf_lm, prompt_batch> && !SamplesFrom<algo::grpo<>, hf_lm, cart_venv>);
+
+// Checkpointable: the data sets resume where they stopped
+static_assert(Checkpointable<data::jsonl_dataset> && !Checkpointable<rewards::exact_answer>);
+
+// Every shipped reward on the batches it scores
+static_assert(ScorerFor<rewards::iou_reward, token_rollout> && ScorerFor<rewards::iou_reward, rewards::json_batch> &&
+              !ScorerFor<rewards::iou_reward, env_rollout> && !ScorerFor<rewards::iou_reward, near_miss::texts_only>);
+static_assert(ScorerFor<rewards::exact_answer, rewards::json_batch> && !ScorerFor<rewards::regex_format, env_rollout>);
+static_assert(RewardFor<rewards::learned_reward<rewards::torchscript_model>, flow_rollout> &&
+              !RewardFor<rewards::learned_reward<rewards::torchscript_model>, token_rollout>);
+static_assert(RewardFor<rewards::remote_scorer, token_rollout> && RewardFor<rewards::remote_scorer, flow_rollout>);
+namespace {
+struct encode_images {
+  torch::Tensor operator()(const flow_rollout& b) const { return b.samples(); }
+};
+using image_alignment = rewards::embedding_alignment<encode_images, encode_images>;
+}  // namespace
+static_assert(RewardFor<image_alignment, flow_rollout> && !RewardFor<image_alignment, token_rollout>);
+
+// SupervisedObjective: the SFT and flow-matching losses on the models they train; an objective
+// without options, or one on the wrong kind of model, is not one
+namespace near_miss {
+struct objective_without_options {
+  using batch_type = train::sft_batch;
+  static constexpr std::string_view name = "x";
+  supervised_loss loss(gpt&, const train::sft_batch&) const { return {}; }
+};
+struct objective_wrong_result {
+  struct options {};
+  using batch_type = train::sft_batch;
+  static constexpr std::string_view name = "x";
+  explicit objective_wrong_result(options) {}
+  double loss(gpt&, const train::sft_batch&) const { return 0; }
+};
+}  // namespace near_miss
+static_assert(SupervisedObjective<train::sft_objective<gpt>, gpt> &&
+              SupervisedObjective<train::sft_objective<hf_lm>, hf_lm> &&
+              SupervisedObjective<train::flow_matching_objective<flow_t>, flow_t>);
+static_assert(!SupervisedObjective<near_miss::objective_without_options, gpt> &&
+              !SupervisedObjective<near_miss::objective_wrong_result, gpt> &&
+              !SupervisedObjective<train::sft_objective<gpt>, flow_t>);

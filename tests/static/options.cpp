@@ -56,7 +56,7 @@ static_assert(reflects_every_member<unirl::algo::flow_grpo_options>);
 static_assert(reflects_every_member<unirl::algo::flow_dppo_options>);
 static_assert(reflects_every_member<unirl::algo::ram_options>);
 static_assert(reflects_every_member<unirl::algo::diffusion_nft_options>);
-static_assert(reflects_every_member<unirl::rollout::flow_sampler_options>);
+static_assert(reflects_every_member<unirl::flow_sampler_options>);
 
 // models, envs, eval, data
 static_assert(reflects_every_member<unirl::models::gpt_options>);

@@ -2,7 +2,7 @@
 #   cmake -DTOOL=unirl-train -DRECIPE=<dir>/recipe.json -DWORK=<dir> -P unirl_train_test.cmake
 # 1. 6 steps straight; 2. 4 steps, then the same command with steps=6 resumes at step 4 by itself;
 # the two exports are byte-identical (resume bit for bit, data position included) and load back;
-# 3. errors: a bad recipe key, a bad JSONL record.
+# 3. LoRA (lora.rank): merged export + PEFT adapter; 4. errors: a bad recipe key, a bad JSONL record.
 foreach(v TOOL RECIPE WORK)
   if(NOT DEFINED ${v})
     message(FATAL_ERROR "${v} is not set")
@@ -49,6 +49,18 @@ if(NOT d MATCHES "^0\n")
   message(FATAL_ERROR "the export did not load back:\n${d}")
 endif()
 
+# LoRA (docs/lora.md): the export holds the merged model and the PEFT adapter, and loads back.
+run_tool(l steps=2 out=${WORK}/lora lora.rank=4 lora.alpha=8 optim.lr=1e-3 checkpoint.every=1)
+foreach(f model.safetensors adapter/adapter_config.json adapter/adapter_model.safetensors)
+  if(NOT l MATCHES "^0\n" OR NOT EXISTS "${WORK}/lora/export/${f}")
+    message(FATAL_ERROR "a LoRA run did not export ${f}:\n${l}")
+  endif()
+endforeach()
+run_tool(m steps=0 model=${WORK}/lora/export out=${WORK}/lora_reload checkpoint.resume=false)
+if(NOT m MATCHES "^0\n")
+  message(FATAL_ERROR "the merged LoRA export did not load back:\n${m}")
+endif()
+
 run_tool(e steps=1 out=${WORK}/bad optim.lrr=0.1)
 if(e MATCHES "^0\n" OR NOT e MATCHES "optim.lrr")
   message(FATAL_ERROR "an unknown recipe key was not named:\n${e}")
@@ -62,4 +74,4 @@ run_tool(f steps=1 out=${WORK}/bad data.path=${WORK}/bad.jsonl)
 if(f MATCHES "^0\n" OR NOT f MATCHES "bad.jsonl:2" OR NOT f MATCHES "'answer'")
   message(FATAL_ERROR "a bad JSONL record was not named by line and field:\n${f}")
 endif()
-message(STATUS "unirl-train: straight, resumed (identical export), reload, errors: ok")
+message(STATUS "unirl-train: straight, resumed (identical export), reload, LoRA, errors: ok")

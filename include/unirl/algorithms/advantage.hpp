@@ -1,9 +1,12 @@
 #pragma once
 /// \file advantage.hpp
 /// Advantage estimators shared by every track (docs/algorithms/grpo.md, docs/algorithms/ppo.md):
-/// group-normalised (GRPO), Dr.GRPO (no std), RLOO, GAE (CleanRL convention) and whitening. Each
-/// takes the execution policy first (`exec::automatic` by default); `gae` has a fused CPU loop, the
-/// others only the reference, so every policy runs the same LibTorch ops for them.
+/// group-normalised (GRPO), Dr.GRPO (no std), RLOO, GAE (CleanRL convention) and whitening; on
+/// (B, T) token layouts the token rewards, discounted returns, REINFORCE++ and GAE along each
+/// completion; DAPO's dynamic-sampling mask (`informative_groups`). Each takes the execution
+/// policy first (`exec::automatic` by default); `gae` has a fused CPU loop, the others only the
+/// reference, so every policy runs the same LibTorch ops for them. Every function computes in its
+/// inputs' floating type (float64 in, float64 out); integer rewards count as float32.
 ///
 /// ```cpp
 /// auto r = torch::tensor({1.f, 0.f, 0.f, 1.f});                    // two groups of two
@@ -175,6 +178,101 @@ torch::Tensor masked_normalize(const torch::Tensor& x, const torch::Tensor& mask
     const auto out = (x - mean) / (var.sqrt() + eps) * m;
     return torch::where(n >= 2.0, out, torch::zeros_like(out));
   });
+}
+
+/// DAPO dynamic sampling: (B,) bool, true for each group of `group_size` rewards that are not
+/// all equal (`max != min`) — the groups that carry a learning signal and are kept.
+inline torch::Tensor informative_groups(const torch::Tensor& rewards, std::int64_t group_size) {
+  const auto r = detail::as_float_rewards(rewards, group_size, "informative_groups");
+  return detail::constant_groups(r.reshape({-1, group_size})).logical_not().reshape({-1});
+}
+
+namespace detail {
+inline void check_token_layout(const torch::Tensor& x, const torch::Tensor& mask, const char* who, const char* name) {
+  UNIRL_CHECK(mask.defined() && mask.dim() == 2, who, ": the mask must be (B, T), got ",
+              mask.defined() ? mask.sizes() : torch::IntArrayRef{});
+  UNIRL_CHECK(x.defined() && x.sizes() == mask.sizes(), who, ": ", name, " sizes ",
+              x.defined() ? x.sizes() : torch::IntArrayRef{}, " differ from the mask sizes ", mask.sizes());
+}
+}  // namespace detail
+
+/// Token-level rewards (B, T) of completions under `mask` ((B, T), 1 = valid, right-padded): the
+/// outcome `outcome` ((B,)) on each completion's last valid token (index `sum(mask) - 1`, or 0
+/// for an empty completion), minus `kl_coef * kl` on every valid token when `kl` ((B, T), e.g.
+/// `kl_penalty(old_logp, ref_logp, k)`) is given: `r_t = -kl_coef kl_t m_t + [t = last] R`.
+/// The dtype is the wider of the outcome's and the KL's (integer outcomes count as float32).
+inline torch::Tensor token_level_rewards(const torch::Tensor& outcome, const torch::Tensor& mask,
+                                         const torch::Tensor& kl = {}, double kl_coef = 0.0) {
+  UNIRL_CHECK(mask.defined() && mask.dim() == 2, "token_level_rewards: the mask must be (B, T), got ",
+              mask.defined() ? mask.sizes() : torch::IntArrayRef{});
+  UNIRL_CHECK(outcome.defined() && outcome.numel() == mask.size(0), "token_level_rewards: ",
+              outcome.defined() ? outcome.numel() : 0, " outcome rewards for ", mask.size(0), " completions");
+  auto dtype = outcome.is_floating_point() ? outcome.scalar_type() : torch::kFloat;
+  if (kl.defined()) {
+    detail::check_token_layout(kl, mask, "token_level_rewards", "kl");
+    dtype = c10::promoteTypes(dtype, kl.scalar_type());
+  }
+  auto tok = torch::zeros(mask.sizes(), mask.options().dtype(dtype));
+  if (kl.defined() && kl_coef != 0.0) tok = tok - kl_coef * kl.to(dtype) * mask.to(dtype);
+  const auto last = (mask.sum(1).to(torch::kInt64) - 1).clamp_min(0);
+  return tok.scatter_add(1, last.unsqueeze(1), outcome.reshape({-1, 1}).to(tok.device(), dtype));
+}
+
+/// Discounted returns along the token axis: `G_t = r_t + gamma m_t G_{t+1}`, `G_T = 0`
+/// (a return never runs across a masked token). rewards, mask (B, T) -> (B, T), the rewards' dtype.
+template <ExecutionPolicy Exec = exec::automatic>
+torch::Tensor discounted_returns(const torch::Tensor& rewards, const torch::Tensor& mask, double gamma) {
+  detail::check_token_layout(rewards, mask, "discounted_returns", "rewards");
+  UNIRL_CHECK(rewards.is_floating_point(), "discounted_returns: rewards must be floating point, got ",
+              rewards.dtype());
+  UNIRL_CHECK(gamma >= 0.0 && gamma <= 1.0, "discounted_returns: gamma = ", gamma, ": expected in [0, 1]");
+  return exec::dispatch<Exec>(rewards, [&] {
+    const auto m = mask.to(rewards.scalar_type());
+    auto ret = torch::zeros_like(rewards);
+    auto run = torch::zeros({rewards.size(0)}, rewards.options());
+    for (std::int64_t t = rewards.size(1) - 1; t >= 0; --t) {
+      run = rewards.select(1, t) + gamma * run * m.select(1, t);
+      ret.select(1, t).copy_(run);
+    }
+    return ret;
+  });
+}
+
+/// REINFORCE++ token advantages (arXiv 2501.03262): token rewards `-kl_coef (old_logp - ref_logp)`
+/// (k1, when `ref_logp` is defined and `kl_coef > 0`) plus the outcome on the last valid token,
+/// discounted returns with `gamma`, whitened over the valid tokens of the batch
+/// (`masked_normalize`); 0 on masked tokens. outcome (B,), mask / logps (B, T) -> (B, T).
+template <ExecutionPolicy Exec = exec::automatic>
+torch::Tensor reinforce_pp_advantage(const torch::Tensor& outcome, const torch::Tensor& mask,
+                                     const torch::Tensor& old_logp, const torch::Tensor& ref_logp, double kl_coef,
+                                     double gamma) {
+  torch::Tensor kl;
+  if (ref_logp.defined() && kl_coef > 0.0) {
+    detail::check_token_layout(old_logp, mask, "reinforce_pp_advantage", "old_logp");
+    kl = old_logp - ref_logp.to(old_logp.scalar_type());
+  }
+  const auto tok = token_level_rewards(outcome, mask, kl, kl_coef);
+  const auto m = mask.to(tok.scalar_type());
+  return masked_normalize<Exec>(discounted_returns<Exec>(tok, mask, gamma) * m, m);
+}
+
+/// GAE along each completion (PPO on the token track): `gae` over the token axis with the
+/// positions after a completion's end starting new episodes (no bootstrapping across them) and
+/// nothing after the last column (`V_T = 0`, `d_T = 1`); advantages and returns are 0 on masked
+/// tokens. token_rewards, values, mask (B, T) -> (B, T) each, in the values' dtype.
+template <ExecutionPolicy Exec = exec::automatic>
+gae_result token_gae(const torch::Tensor& token_rewards, const torch::Tensor& values, const torch::Tensor& mask,
+                     double gamma, double lambda) {
+  detail::check_token_layout(token_rewards, mask, "token_gae", "token_rewards");
+  detail::check_token_layout(values, mask, "token_gae", "values");
+  const auto B = mask.size(0);
+  const auto dtype = values.is_floating_point() ? values.scalar_type() : torch::kFloat;
+  const auto opts = values.options().dtype(dtype);
+  const auto m = mask.to(dtype);
+  const auto dones = (1.0 - m).t().contiguous();  // (T, B)
+  const auto g = gae<Exec>(token_rewards.t(), values.t(), dones, torch::zeros({B}, opts), torch::ones({B}, opts),
+                           gamma, lambda);
+  return {g.advantages.t().contiguous() * m, g.returns.t().contiguous() * m};
 }
 
 }  // namespace unirl::algo

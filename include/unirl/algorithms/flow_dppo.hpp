@@ -2,14 +2,16 @@
 /// \file flow_dppo.hpp
 /// Flow-DPPO (UniRL `flowdppo.py`, docs/flow.md): no ratio clip; a trust-region mask from
 /// the exact Gaussian KL between the current and the sampling policy's step. Per (sample, step):
-/// `KL_k = mean over elements of (mu_new - mu_old)^2 / (2 s_k^2)`; the term is dropped
-/// (`keep = 0`) only when `KL_k >= delta` and the ratio moved in the direction the advantage
-/// pushes (`rho > 1, A > 0` or `rho < 1, A < 0`); loss `-A rho keep` averaged over samples and
-/// steps, optionally `+ beta KL(pi || pi_ref)`.
+/// `KL_k = mean over elements of (mu_new - mu_old)^2 / (2 s_k^2)` (`gaussian_kl`); the term is
+/// dropped (`keep = 0`, `flow_dppo_keep`) only when `KL_k >= delta` and the ratio moved in the
+/// direction the advantage pushes (`rho > 1, A > 0` or `rho < 1, A < 0`); loss `-A rho keep`
+/// (`flow_dppo_loss`) averaged over samples and steps, optionally `+ beta KL(pi || pi_ref)`.
+/// `Exec` (an `ExecutionPolicy`) goes to every op it calls.
 ///
 /// ```cpp
 /// unirl::trainer<model_t, unirl::algo::flow_dppo<>, my_reward> t{model, reward,
 ///     {.algorithm = {.delta = 1e-5}, .group_size = 8, .minibatches = 2}};
+/// auto keep = unirl::algo::flow_dppo_keep(ratio, adv, kl_to_old, 1e-5);   // (B,) bool
 /// ```
 #include <cstdint>
 #include <string>
@@ -19,17 +21,20 @@
 #include <torch/torch.h>
 
 #include <unirl/algorithms/flow_common.hpp>
+#include <unirl/algorithms/policy_loss.hpp>
 #include <unirl/concepts/algorithm.hpp>
+#include <unirl/concepts/execution.hpp>
 #include <unirl/core/context.hpp>
 #include <unirl/core/options.hpp>
 #include <unirl/core/stats.hpp>
+#include <unirl/exec/policy.hpp>
 #include <unirl/rollout/flow.hpp>
 #include <unirl/rollout/flow_samplers.hpp>
 
 namespace unirl::algo {
 
 /// Options of `flow_dppo<Sampler>`: `SamplerOptions` is `Sampler::options` (the sampler carries its own).
-template <class SamplerOptions = rollout::flow_sampler_options>
+template <class SamplerOptions = flow_sampler_options>
 struct basic_flow_dppo_options {
   double delta = 1e-5;             // trust-region size on the per-step Gaussian KL
   double beta = 0.0;               // KL-to-reference coefficient; 0 builds no reference
@@ -70,38 +75,71 @@ struct accessors_impl<unirl::algo::basic_flow_dppo_options<S>> {
 
 namespace unirl::algo {
 
-/// Flow-DPPO with the sampler policy `Sampler`.
-template <class Sampler = rollout::sde::flow_grpo>
-class flow_dppo : public flow::ratio_algorithm_base<basic_flow_dppo_options<typename Sampler::options>, Sampler> {
-  using base = flow::ratio_algorithm_base<basic_flow_dppo_options<typename Sampler::options>, Sampler>;
+/// Flow-DPPO's trust-region mask per sample: `keep = not (kl >= delta and ((rho > 1 and A > 0)
+/// or (rho < 1 and A < 0)))` — a term is dropped only when the step left the trust region
+/// (`kl`: the exact Gaussian KL to the sampling policy's step, `gaussian_kl` with the mean
+/// reduction) in the direction the advantage pushes it. ratio, adv, kl (B,) -> (B,) bool.
+template <ExecutionPolicy Exec = exec::automatic>
+torch::Tensor flow_dppo_keep(const torch::Tensor& ratio, const torch::Tensor& adv, const torch::Tensor& kl,
+                             double delta) {
+  detail::check_same_shape(ratio, adv, "flow_dppo_keep", "ratio", "advantages");
+  detail::check_same_shape(ratio, kl, "flow_dppo_keep", "ratio", "kl");
+  UNIRL_CHECK(delta >= 0.0, "flow_dppo_keep: delta = ", delta, ": expected >= 0");
+  return exec::dispatch<Exec>(ratio, [&] {
+    torch::NoGradGuard ng;
+    const auto rho = ratio.detach();
+    const auto a = adv.detach();
+    const auto pushed = ((rho > 1.0) & (a > 0)) | ((rho < 1.0) & (a < 0));
+    return torch::logical_not((kl.detach() >= delta) & pushed);
+  });
+}
+
+/// Flow-DPPO's loss per sample (one SDE step): `rho = exp(logp - old_logp)`,
+/// `loss = -A rho keep` with `keep = flow_dppo_keep(rho, A, kl, delta)`; `clipped = not keep`.
+/// logp, old_logp, adv, kl (B,) -> (B,) each, in logp's dtype; old_logp, adv and kl are constants.
+template <ExecutionPolicy Exec = exec::automatic>
+clip_loss_result flow_dppo_loss(const torch::Tensor& logp, const torch::Tensor& old_logp, const torch::Tensor& adv,
+                                const torch::Tensor& kl, double delta) {
+  detail::check_same_shape(logp, old_logp, "flow_dppo_loss", "logp", "old_logp");
+  detail::check_same_shape(logp, adv, "flow_dppo_loss", "logp", "advantages");
+  UNIRL_CHECK(logp.is_floating_point(), "flow_dppo_loss: logp has dtype ", logp.dtype(), "; expected a floating type");
+  return exec::dispatch<Exec>(logp, [&] {
+    const auto a = adv.detach().to(logp.scalar_type());
+    const auto ratio = torch::exp(logp - old_logp.detach().to(logp.scalar_type()));
+    const auto keep = flow_dppo_keep<Exec>(ratio, a, kl, delta);
+    return clip_loss_result{-a * ratio * keep.to(logp.scalar_type()), keep.logical_not(), ratio};
+  });
+}
+
+/// Flow-DPPO with the sampler policy `Sampler` and execution policy `Exec`.
+template <class Sampler = sde::flow_grpo, ExecutionPolicy Exec = exec::automatic>
+class flow_dppo
+    : public flow::ratio_algorithm_base<basic_flow_dppo_options<typename Sampler::options>, Sampler, Exec> {
+  using base = flow::ratio_algorithm_base<basic_flow_dppo_options<typename Sampler::options>, Sampler, Exec>;
 
  public:
   using typename base::options;
 
   explicit flow_dppo(const options& o = {}) : base(o) {}
 
-  /// `-A rho keep` over the trained steps of the minibatch (+ beta KL); see the file comment.
+  /// `-A rho keep` (`flow_dppo_loss`) over the trained steps of the minibatch (+ beta KL); see
+  /// the file comment.
   template <class M>
-  loss_terms loss(model_set<M>& ms, const rollout::flow_rollout& mb, const step_info&) {
-    const auto f64 = torch::TensorOptions(torch::kFloat64).device(mb.trajectory.device());
-    torch::Tensor masked = torch::zeros({}, f64), kl_old = torch::zeros({}, f64);
+  loss_terms loss(model_set<M>& ms, const flow_rollout& mb, const step_info&) {
+    torch::Tensor kl_old;  // figure, summed in double
     auto [out, n] = this->ratio_loss(
         "flow_dppo", ms, mb,
-        [&](std::int64_t k, const rollout::replayed_step& r, const torch::Tensor& ratio, const torch::Tensor& a) {
-          torch::Tensor keep, kl_k;
+        [&](std::int64_t k, const replayed_step& r, const torch::Tensor& old_logp, const torch::Tensor& a) {
+          torch::Tensor kl_k;
           {
             torch::NoGradGuard ng;
             // The trust region always uses the per-element mean (UniRL flowdppo.py).
-            kl_k =
-                rollout::gaussian_kl(r.step.mean, mb.means.select(1, k), r.step.std, rollout::logprob_reduction::mean);
-            const auto pushed = ((ratio > 1.0) & (a > 0)) | ((ratio < 1.0) & (a < 0));
-            keep = torch::logical_not((kl_k >= this->opts_.delta) & pushed).to(ratio.scalar_type());
+            kl_k = gaussian_kl<Exec>(r.step.mean, mb.means.select(1, k), r.step.std, logprob_reduction::mean);
           }
-          masked = masked + (1.0 - keep.to(torch::kFloat64).mean());
-          kl_old = kl_old + kl_k.to(torch::kFloat64).mean();
-          return (-a * ratio * keep).mean();
+          const auto m = kl_k.to(torch::kFloat64).mean();
+          kl_old = kl_old.defined() ? kl_old + m : m;
+          return flow_dppo_loss<Exec>(r.log_prob, old_logp, a, kl_k, this->opts_.delta);
         });
-    out.clip_fraction = masked / n;
     out.extra["flow/kl_to_old"] = kl_old / n;
     return out;
   }

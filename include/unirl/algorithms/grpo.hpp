@@ -116,6 +116,60 @@ BOOST_HANA_ADAPT_STRUCT(unirl::algo::grpo_options, clip_low, clip_high, dual_cli
 
 namespace unirl::algo {
 
+/// What `grpo_loss` reads of one minibatch: per-token tensors of one shape ((B, T)).
+struct grpo_eval {
+  torch::Tensor logp;        // log pi_theta of the completion tokens, differentiable
+  torch::Tensor entropy;     // per-token policy entropy, differentiable; undefined = no entropy term
+  torch::Tensor old_logp;    // log pi_old (constant)
+  torch::Tensor ref_logp;    // log pi_ref (constant); undefined = no KL term
+  torch::Tensor advantages;  // per-token advantages (constant)
+  torch::Tensor mask;        // 1 = valid token
+};
+
+/// The GRPO-family loss on given tensors (docs/algorithms/grpo.md), what `grpo::loss` computes
+/// after its forward: per token the PPO clip (`clip_low`, `clip_high` — DAPO's clip-higher —,
+/// `dual_clip`; `ppo_clip_loss`) or the DPPO mask (`dppo_mask`; `dppo_mask_loss`), reduced by `agg`
+/// (`aggregate`, L_max = `max_len` or else `sampling.max_new_tokens`);
+/// `total = policy + kl_coef KL - ent_coef H`, the KL (`kl_penalty` with `kl`, reduced the same
+/// way) only with `ref_logp` and `kl_coef > 0`, and measured but not added for REINFORCE++ (its
+/// KL is in the reward). Figures are detached tensors; the dtype is `logp`'s.
+/// ```cpp
+/// auto t = unirl::algo::grpo_loss(opts, {.logp = lp, .old_logp = old, .advantages = adv, .mask = m});
+/// ```
+template <ExecutionPolicy Exec = exec::automatic>
+loss_terms grpo_loss(const grpo_options& o, const grpo_eval& ev) {
+  UNIRL_CHECK(ev.logp.defined() && ev.old_logp.defined() && ev.advantages.defined() && ev.mask.defined(),
+              "grpo_loss: logp, old_logp, advantages and mask must be defined");
+  const auto& mask = ev.mask;
+  const auto pl = o.dppo_mask ? dppo_mask_loss<Exec>(ev.logp, ev.old_logp, ev.advantages, o.dppo_delta)
+                              : ppo_clip_loss<Exec>(ev.logp, ev.old_logp, ev.advantages, o.clip_low, o.clip_high,
+                                                    o.dual_clip);
+  const auto L = o.max_len > 0 ? o.max_len : o.sampling.max_new_tokens;
+  auto agg = [&](const torch::Tensor& x) { return aggregate<Exec>(x, mask, o.agg, L); };
+  const torch::Tensor policy = agg(pl.loss);
+  torch::Tensor total = policy;
+  loss_terms out;  // figures stay detached tensors: the trainer reads them once per step
+  out.policy = policy;
+  if (ev.ref_logp.defined() && o.kl_coef > 0.0) {
+    const torch::Tensor kl = agg(kl_penalty<Exec>(ev.logp, ev.ref_logp, o.kl));
+    if (o.advantage != advantage_kind::reinforce_pp) total = total + o.kl_coef * kl;  // R++: KL is in the reward
+    out.kl = kl;
+  }
+  if (ev.entropy.defined()) {
+    const torch::Tensor entropy = agg(ev.entropy);
+    if (o.ent_coef != 0.0) total = total - o.ent_coef * entropy;
+    out.entropy = entropy;
+  }
+  out.total = total;
+  torch::NoGradGuard ng;
+  out.ratio_mean = masked_mean<Exec>(pl.ratio.detach(), mask);
+  out.clip_fraction = masked_mean<Exec>(pl.clipped, mask);
+  const auto lr = ev.logp.detach() - ev.old_logp.to(ev.logp.scalar_type());
+  out.extra["approx_kl"] = masked_mean<Exec>(lr.exp() - 1.0 - lr, mask);
+  out.extra["response_length"] = mask.sum(1).mean();
+  return out;
+}
+
 namespace detail {
 // Concatenates rollouts of possibly different widths (written once over the batch's members,
 // rollout/token.hpp).
@@ -144,6 +198,12 @@ class grpo {
   const options& opts() const { return o_; }
   bool uses_reference() const { return o_.kl_coef > 0.0; }
 
+  /// Gradient accumulation (trainer option `micro_batch_size`): what the loss of `b` divides by —
+  /// its valid tokens under `token_mean`, its sequences otherwise (`aggregation_normaliser`).
+  torch::Tensor loss_normaliser(const token_rollout& b) const {
+    return aggregation_normaliser(b.completion_mask, o_.agg);
+  }
+
   /// Dynamic sampling (DAPO) scores candidate groups with this function — pass the trainer's
   /// reward: `t.algorithm().set_filter_reward(std::ref(t.reward()))`.
   void set_filter_reward(filter_reward f) { filter_ = std::move(f); }
@@ -157,18 +217,24 @@ class grpo {
     return refill(models, input, info, std::move(batch));
   }
 
+  /// Fills `batch.advantages` ((B, T), 0 on masked tokens) and returns one advantage per sample
+  /// (B,). Computed in the wider of the rewards' and the log-probs' floating types (a float64
+  /// model gives float64 advantages; integer rewards count as float32).
   template <CausalLM M>
   torch::Tensor advantage(model_set<M>&, token_rollout& batch, const torch::Tensor& rewards, const step_info& info) {
     const auto G = info.group_size;
     const auto mask = batch.completion_mask;
-    auto r = rewards.to(mask.device(), torch::kFloat);
+    auto dtype = rewards.is_floating_point() ? rewards.scalar_type() : torch::kFloat;
+    if (batch.old_logp.defined()) dtype = c10::promoteTypes(dtype, batch.old_logp.scalar_type());
+    auto r = rewards.to(mask.device(), dtype);
     if (o_.overlong_buffer > 0) {
-      const auto pen = overlong_penalty(batch.lengths(), o_.sampling.max_new_tokens, o_.overlong_buffer);
+      const auto pen = overlong_penalty(batch.lengths(), o_.sampling.max_new_tokens, o_.overlong_buffer, dtype);
       info.report("overlong_penalty", pen.mean());
       r = r + o_.overlong_factor * pen;
     }
     if (o_.advantage == advantage_kind::reinforce_pp) {
-      batch.advantages = reinforce_pp_advantage(batch, r);
+      batch.advantages = algo::reinforce_pp_advantage<Exec>(r, mask, batch.old_logp, batch.ref_logp, o_.kl_coef,
+                                                            o_.gamma);
       return batch.advantages.select(1, 0);
     }
     // The outcome estimators (estimators.hpp): the run-time option picks the policy type.
@@ -185,24 +251,13 @@ class grpo {
     return per_sample;
   }
 
-  /// REINFORCE++ token advantages: r_t = -beta k1_t (+ outcome on the last token), discounted
-  /// returns, whitened over the valid tokens of the batch. (B, T).
+  /// REINFORCE++ token advantages of `b` (the free `reinforce_pp_advantage`, advantage.hpp). (B, T).
   torch::Tensor reinforce_pp_advantage(const token_rollout& b, const torch::Tensor& outcome) const {
-    const auto mask = b.completion_mask;
-    const auto T = mask.size(1);
-    auto tok = torch::zeros_like(mask);
-    if (b.ref_logp.defined() && o_.kl_coef > 0.0) tok = tok - o_.kl_coef * (b.old_logp - b.ref_logp) * mask;
-    const auto last = (b.lengths() - 1).clamp_min(0);
-    tok = tok.scatter_add(1, last.unsqueeze(1), outcome.unsqueeze(1).to(tok.scalar_type()));
-    auto ret = torch::zeros_like(tok);
-    auto run = torch::zeros({mask.size(0)}, tok.options());
-    for (std::int64_t t = T - 1; t >= 0; --t) {
-      run = tok.select(1, t) + o_.gamma * run * mask.select(1, t);
-      ret.select(1, t).copy_(run);
-    }
-    return masked_normalize<Exec>(ret * mask, mask);
+    return algo::reinforce_pp_advantage<Exec>(outcome, b.completion_mask, b.old_logp, b.ref_logp, o_.kl_coef,
+                                              o_.gamma);
   }
 
+  /// The GRPO loss of a minibatch: the update forward's log-probs and entropies, then `grpo_loss`.
   template <CausalLM M>
   loss_terms loss(model_set<M>& models, const token_rollout& minibatch, const step_info& info) {
     token_rollout mb = minibatch.trimmed();  // dynamic padding: only the minibatch's own width
@@ -217,31 +272,8 @@ class grpo {
       info.report("sampler_logp_max_diff", ((logp.detach() - mb.old_logp) * mask).abs().max());
       mb.old_logp = logp.detach() * mask;
     }
-    const auto pl = o_.dppo_mask ? dppo_mask_loss<Exec>(logp, mb.old_logp, mb.advantages, o_.dppo_delta)
-                                 : ppo_clip_loss<Exec>(logp, mb.old_logp, mb.advantages, o_.clip_low, o_.clip_high,
-                                                       o_.dual_clip);
-    const auto L = o_.max_len > 0 ? o_.max_len : o_.sampling.max_new_tokens;
-    auto agg = [&](const torch::Tensor& x) { return aggregate<Exec>(x, mask, o_.agg, L); };
-    const torch::Tensor policy = agg(pl.loss);
-    torch::Tensor total = policy;
-    loss_terms out;  // figures stay detached tensors: the trainer reads them once per step
-    out.policy = policy;
-    if (mb.ref_logp.defined() && o_.kl_coef > 0.0) {
-      const torch::Tensor kl = agg(kl_penalty<Exec>(logp, mb.ref_logp, o_.kl));
-      if (o_.advantage != advantage_kind::reinforce_pp) total = total + o_.kl_coef * kl;  // R++: KL is in the reward
-      out.kl = kl;
-    }
-    const torch::Tensor entropy = agg(ent);
-    if (o_.ent_coef != 0.0) total = total - o_.ent_coef * entropy;
-    out.entropy = entropy;
-    out.total = total;
-    torch::NoGradGuard ng;
-    out.ratio_mean = masked_mean<Exec>(pl.ratio.detach(), mask);
-    out.clip_fraction = masked_mean<Exec>(pl.clipped, mask);
-    const auto lr = logp.detach() - mb.old_logp;
-    out.extra["approx_kl"] = masked_mean<Exec>(lr.exp() - 1.0 - lr, mask);
-    out.extra["response_length"] = mask.sum(1).mean();
-    return out;
+    return grpo_loss<Exec>(o_, {.logp = logp, .entropy = ent, .old_logp = mb.old_logp, .ref_logp = mb.ref_logp,
+                                .advantages = mb.advantages, .mask = mask});
   }
 
  private:
@@ -262,12 +294,11 @@ class grpo {
     std::vector<bool> ok(static_cast<std::size_t>(n), false);
     std::vector<token_rollout> kept;
     auto absorb = [&](const token_rollout& b, const std::vector<std::int64_t>& prompt_of_group) {
-      const auto r = filter_(b).to(torch::kCPU, torch::kFloat).reshape({-1, G});
-      const auto varied = to_host(r.amax(1) != r.amin(1));  // one read per candidate batch
-      for (std::int64_t g = 0; g < r.size(0); ++g) {
+      const auto varied = to_host(informative_groups(filter_(b), G));  // one read per candidate batch
+      for (std::int64_t g = 0; g < static_cast<std::int64_t>(varied.size()); ++g) {
         if (varied[static_cast<std::size_t>(g)] == 0.0) continue;
         const auto idx = torch::arange(g * G, (g + 1) * G, torch::kInt64);
-        auto part = b.select(idx.to(b.completion_ids.device()));
+        auto part = b.select(idx);  // a host index: batch::select moves it, no device round trip
         part.prompt_index.fill_(prompt_of_group[static_cast<std::size_t>(g)]);
         kept.push_back(std::move(part));
         ok[static_cast<std::size_t>(prompt_of_group[static_cast<std::size_t>(g)])] = true;

@@ -54,6 +54,18 @@ torch::Tensor aggregate(const torch::Tensor& per_token, const torch::Tensor& mas
   });
 }
 
+/// What `aggregate` divides by for `mask` under `mode`, as a () float64 tensor (no read): the
+/// valid elements for `token_mean`, the sequences (`mask.size(0)`; 1 for a scalar) for the two
+/// sequence modes. Gradient accumulation weighs micro-batch i's loss by `n_i / sum_j n_j`, which
+/// gives exactly the whole minibatch's loss in every mode — the token-mean normaliser is the whole
+/// minibatch's token count, not each micro-batch's.
+inline torch::Tensor aggregation_normaliser(const torch::Tensor& mask, loss_agg mode) {
+  UNIRL_CHECK(mask.defined(), "aggregation_normaliser: mask must be defined");
+  const auto f64 = torch::TensorOptions(torch::kFloat64).device(mask.device());
+  if (mode == loss_agg::token_mean) return mask.to(torch::kFloat64).sum();
+  return torch::full({}, static_cast<double>(mask.dim() == 0 ? 1 : mask.size(0)), f64);
+}
+
 /// Mean of `x` over the valid elements of `mask` (statistics: ratio mean, clip fraction).
 template <ExecutionPolicy Exec = exec::automatic>
 torch::Tensor masked_mean(const torch::Tensor& x, const torch::Tensor& mask) {

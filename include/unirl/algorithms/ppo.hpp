@@ -243,7 +243,35 @@ struct ppo {
       { ppo_track<Track>::template evaluate<Exec>(o, ms, b, i) } -> std::same_as<ppo_eval>;
     }
   loss_terms loss(model_set<M>& models, const rollout_t<M>& minibatch, const step_info& info) {
+    if (info.micro_batches > 1 && opts_.norm_adv) {  // whitened over the minibatch by prepare_minibatch
+      options o = opts_;
+      o.norm_adv = false;
+      return ppo_loss<Exec>(o, ppo_track<Track>::template evaluate<Exec>(opts_, models, minibatch, info));
+    }
     return ppo_loss<Exec>(opts_, ppo_track<Track>::template evaluate<Exec>(opts_, models, minibatch, info));
+  }
+
+  /// Gradient accumulation (trainer option `micro_batch_size`): what the loss of `b` divides by —
+  /// `aggregation_normaliser` of its completion mask on the token track; its transitions on a track
+  /// without padding.
+  template <class Rollout>
+  torch::Tensor loss_normaliser(const Rollout& b) const {
+    if constexpr (requires { b.completion_mask; }) return aggregation_normaliser(b.completion_mask, opts_.agg);
+    else return torch::full({}, static_cast<double>(b.size()), torch::kFloat64);
+  }
+
+  /// Gradient accumulation: with `norm_adv`, the minibatch's advantages whitened once over all of
+  /// its valid elements, so that every micro-batch's loss uses the minibatch's mean and std (its
+  /// `loss` then skips its own whitening, `step_info::micro_batches > 1`).
+  template <class Rollout>
+  Rollout prepare_minibatch(const Rollout& mb) const {
+    if (!opts_.norm_adv || !mb.advantages.defined()) return mb;
+    Rollout out = mb;
+    if constexpr (requires { mb.completion_mask; })
+      out.advantages = masked_normalize<Exec>(mb.advantages.detach(), mb.completion_mask);
+    else
+      out.advantages = masked_normalize<Exec>(mb.advantages.detach(), torch::ones_like(mb.advantages));
+    return out;
   }
 
  private:

@@ -72,7 +72,8 @@ struct ppo_track<env_track> {
     return collect(models.policy, env, o.track.rollout_steps, &info);
   }
 
-  /// GAE over the (T, N) layout (docs/algorithms/ppo.md); stores advantages and returns in the batch.
+  /// GAE over the (T, N) layout (docs/algorithms/ppo.md); stores advantages and returns in the batch,
+  /// in the values' dtype.
   /// With a reference model and `kl_in_reward`, `kl_coef * KL(pi_old || pi_ref)` per step is
   /// subtracted from the rewards first.
   template <ExecutionPolicy Exec, EnvPolicy M>
@@ -84,7 +85,9 @@ struct ppo_track<env_track> {
     const auto T = batch.num_steps, N = batch.num_envs;
     UNIRL_CHECK(rewards.numel() == T * N, "ppo on the env track: ", rewards.numel(), " rewards for a rollout of ",
                 T, " x ", N, " = ", T * N, " steps");
-    auto r = rewards.to(batch.values.device(), torch::kFloat).reshape({T, N});
+    // In the values' floating type (the model's: a float64 policy gives float64 advantages).
+    const auto dtype = batch.values.is_floating_point() ? batch.values.scalar_type() : torch::kFloat;
+    auto r = rewards.to(batch.values.device(), dtype).reshape({T, N});
     if (models.reference && o.kl_in_reward && o.kl_coef > 0.0) {
       const torch::Tensor ref = models.reference->evaluate(batch.obs, batch.actions).logp;
       const torch::Tensor kl = kl_penalty<Exec>(batch.logprobs, ref, o.kl).reshape({T, N});
@@ -93,8 +96,8 @@ struct ppo_track<env_track> {
     }
     const auto g = gae<Exec>(r, batch.values.view({T, N}), batch.dones.view({T, N}), batch.next_value, batch.next_done,
                        o.gamma, o.lambda);
-    batch.advantages = g.advantages.reshape({T * N}).to(torch::kFloat);
-    batch.returns = g.returns.reshape({T * N}).to(torch::kFloat);
+    batch.advantages = g.advantages.reshape({T * N});
+    batch.returns = g.returns.reshape({T * N});
     return batch.advantages;
   }
 

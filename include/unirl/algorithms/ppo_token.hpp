@@ -91,21 +91,17 @@ struct ppo_track<token_track> {
   static torch::Tensor advantage(const settings& o, model_set<M>&, token_rollout& b, const torch::Tensor& rewards,
                                  const step_info& info) {
     const auto mask = b.completion_mask;
-    const auto B = mask.size(0);
-    auto tok = torch::zeros_like(mask);
+    torch::Tensor kl;
     if (o.kl_in_reward && o.kl_coef > 0.0 && b.ref_logp.defined()) {
-      const torch::Tensor kl = kl_penalty<Exec>(b.old_logp, b.ref_logp, o.kl) * mask;
-      info.report("kl_reward", (kl.sum(1)).mean());
-      tok = tok - o.kl_coef * kl;
+      kl = kl_penalty<Exec>(b.old_logp, b.ref_logp, o.kl);
+      info.report("kl_reward", (kl * mask).sum(1).mean());
     }
-    const auto last = (b.lengths() - 1).clamp_min(0);
-    tok = tok.scatter_add(1, last.unsqueeze(1), rewards.to(tok.device(), tok.scalar_type()).unsqueeze(1));
-    // Positions after a completion's end start "new episodes": no bootstrapping across them.
-    auto dones = (1.0 - mask).t().contiguous();  // (T, B)
-    const auto g = gae<Exec>(tok.t(), b.values.t(), dones, torch::zeros({B}, tok.options()),
-                             torch::ones({B}, tok.options()), o.gamma, o.lambda);
-    b.advantages = g.advantages.t().contiguous() * mask;
-    b.returns = g.returns.t().contiguous() * mask;
+    // The free functions of advantage.hpp: token rewards, then GAE along each completion.
+    const auto dtype = b.values.is_floating_point() ? b.values.scalar_type() : torch::kFloat;
+    const auto tok = token_level_rewards(rewards.to(mask.device(), dtype), mask, kl, o.kl_coef);
+    auto g = token_gae<Exec>(tok, b.values, mask, o.gamma, o.lambda);
+    b.advantages = std::move(g.advantages);
+    b.returns = std::move(g.returns);
     return b.advantages.select(1, 0);
   }
 

@@ -7,13 +7,18 @@
 /// ```cpp
 /// auto batch = unirl::algo::sample_for_update(models, prompts, info, opts.sampling, true);
 /// ```
+#include <algorithm>
+#include <concepts>
 #include <cstdint>
+#include <vector>
 
 #include <torch/torch.h>
 
 #include <unirl/concepts/causal_lm.hpp>
 #include <unirl/concepts/execution.hpp>
+#include <unirl/core/batch.hpp>
 #include <unirl/core/context.hpp>
+#include <unirl/core/lora_guard.hpp>
 #include <unirl/exec/policy.hpp>
 #include <unirl/rollout/sampling.hpp>
 #include <unirl/rollout/token.hpp>
@@ -21,6 +26,31 @@
 #include <unirl/rollout/token_sampler.hpp>
 
 namespace unirl::algo {
+
+/// `rollout::update_logprob(model, batch, temperature, false, layout).first` without gradients,
+/// `chunk` sequences at a time (0: all at once) and on the model's own device: each chunk's rows
+/// are moved there and its log-probs back to the batch's device. How a reference kept on the CPU
+/// (trainer option `memory.reference_device`) scores a rollout sampled on an accelerator, and
+/// how the no-grad forwards of a large batch stay within memory. (B, T) float.
+template <ExecutionPolicy Exec = exec::automatic, CausalLM M>
+torch::Tensor chunked_logprob(const M& model, const token_rollout& batch, double temperature,
+                              rollout::update_layout layout, std::int64_t chunk = 0) {
+  torch::NoGradGuard ng;
+  const std::int64_t n = batch.size();
+  const torch::Device home = batch.completion_ids.device();
+  torch::Device where = home;
+  if constexpr (requires { { model.device() } -> std::convertible_to<torch::Device>; }) where = model.device();
+  if (n == 0 || ((chunk <= 0 || chunk >= n) && where == home))
+    return rollout::update_logprob<Exec>(model, batch, temperature, false, layout).first;
+  const std::int64_t step = chunk > 0 ? chunk : n;
+  std::vector<torch::Tensor> parts;
+  for (std::int64_t lo = 0; lo < n; lo += step) {
+    const auto idx = torch::arange(lo, std::min(n, lo + step), torch::TensorOptions(torch::kInt64).device(home));
+    const token_rollout part = batch::to(batch.select(idx), where);
+    parts.push_back(rollout::update_logprob<Exec>(model, part, temperature, false, layout).first.to(home));
+  }
+  return torch::cat(parts, 0);
+}
 
 /// Samples `info.group_size` completions per prompt with the policy, then (optionally) replaces
 /// the sampler's log-probabilities by the training forward's — laid out as the update will lay
@@ -36,22 +66,27 @@ token_rollout sample_for_update(model_set<M>& models, const prompt_batch& input,
   const auto mask = batch.completion_mask;
   if (recompute_old_logp) {
     const torch::Tensor lp =
-        rollout::update_logprob<Exec>(models.policy, batch, s.temperature, false, layout).first * mask;
+        chunked_logprob<Exec>(models.policy, batch, s.temperature, layout, info.logprob_chunk) * mask;
     info.report("sampler_logp_max_diff", (lp - batch.old_logp).abs().max());
     batch.old_logp = lp;
   }
-  if (models.reference)
+  if (models.reference) {
+    const lora::disabled_guard base;  // a policy with LoRA adapters is its own reference, adapters off
     batch.ref_logp =
-        rollout::update_logprob<Exec>(*models.reference, batch, s.temperature, false, layout).first * mask;
+        chunked_logprob<Exec>(*models.reference, batch, s.temperature, layout, info.logprob_chunk) * mask;
+  }
   return batch;
 }
 
 /// The DAPO soft overlong penalty for completions of `lengths` tokens (docs/algorithms/grpo.md):
-/// 0 up to `max_len - buffer`, then falling linearly to -1 at `max_len`, -1 beyond. (B,) float.
-inline torch::Tensor overlong_penalty(const torch::Tensor& lengths, std::int64_t max_len, std::int64_t buffer) {
+/// 0 up to `max_len - buffer`, then `((max_len - buffer) - L) / buffer` down to -1 at `max_len`,
+/// -1 beyond. (B,) in `dtype` (a floating type).
+inline torch::Tensor overlong_penalty(const torch::Tensor& lengths, std::int64_t max_len, std::int64_t buffer,
+                                      torch::ScalarType dtype = torch::kFloat) {
   UNIRL_CHECK(buffer > 0 && buffer <= max_len, "overlong_penalty: buffer = ", buffer, ": expected in [1, max_len = ",
               max_len, "]");
-  const auto L = lengths.to(torch::kFloat);
+  UNIRL_CHECK(c10::isFloatingType(dtype), "overlong_penalty: dtype ", dtype, ": expected a floating type");
+  const auto L = lengths.to(dtype);
   const double start = static_cast<double>(max_len - buffer);
   auto p = (start - L) / static_cast<double>(buffer);
   p = torch::where(L <= start, torch::zeros_like(p), p);

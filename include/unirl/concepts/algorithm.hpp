@@ -54,6 +54,12 @@ struct algorithm_for<A, M> {
 /// Optional: `bool uses_reference() const` (build the reference only when true),
 /// `void after_optimizer_step(model_set<M>&)` (EMA updates), `void save(torch::serialize::OutputArchive&) const`
 /// and `void load(torch::serialize::InputArchive&)` for state that must survive a resume.
+/// For gradient accumulation (trainer option `micro_batch_size`): `torch::Tensor
+/// loss_normaliser(const rollout_t<M>&) const` — what the loss of a batch divides by (its valid
+/// tokens under token_mean, its sequences otherwise; without it, its samples): micro-batch i's loss
+/// weighs n_i / sum_j n_j — and `rollout_t<M> prepare_minibatch(const rollout_t<M>&) const`, the
+/// minibatch with the statistics its micro-batches must share taken over all of it (PPO's advantage
+/// whitening); `loss` sees `step_info::micro_batches > 1` then.
 ///
 /// A *family* of algorithms whose options depend on the track (`algo::ppo<>`: each track nests its
 /// own options) is not itself an `Algorithm`: it declares `template <class Track> using for_track`,

@@ -5,16 +5,14 @@
 /// rollout/flow_samplers.hpp.
 ///
 /// ```cpp
-/// static_assert(unirl::SamplerFor<unirl::rollout::sde::flow_grpo, my_flow_model>);
+/// static_assert(unirl::SamplerFor<unirl::sde::flow_grpo, my_flow_model>);
 /// ```
-/// `SamplerFor` is also reachable as `unirl::rollout::SamplerFor` (its former home).
 #include <concepts>
 #include <vector>
 
 #include <torch/torch.h>
 
 namespace unirl {
-namespace rollout {
 
 /// How per-element Gaussian log-probs (and KLs) are reduced over a sample: `mean` matches the
 /// Flow-GRPO reference code (hence its 1e-4 clip range); `sum` is the true log-density.
@@ -27,8 +25,6 @@ struct step_coefficients {
   double std = 0.0;
 };
 
-}  // namespace rollout
-
 /// A sampler usable with model `M`.
 ///
 /// Minimal complete definition: `step_coefficients coefficients(M&, double t, double t_next) const`,
@@ -37,14 +33,10 @@ struct step_coefficients {
 /// `logprob_reduction reduction() const`.
 template <class S, class M>
 concept SamplerFor = requires(const S& s, M& m, const torch::Tensor& x, double t) {
-  { s.coefficients(m, t, t) } -> std::same_as<rollout::step_coefficients>;
+  { s.coefficients(m, t, t) } -> std::same_as<step_coefficients>;
   { s.predict(m, x, t, x) } -> std::same_as<torch::Tensor>;
   { s.timesteps(m) } -> std::convertible_to<std::vector<double>>;
-  { s.reduction() } -> std::same_as<rollout::logprob_reduction>;
+  { s.reduction() } -> std::same_as<logprob_reduction>;
 };
-
-namespace rollout {
-using unirl::SamplerFor;
-}  // namespace rollout
 
 }  // namespace unirl

@@ -29,14 +29,11 @@ struct env_track {
   using rollout_type = env_rollout;
 };
 
-namespace rollout {
-
 struct flow_rollout;  // rollout/flow.hpp
 
-/// The flow track tag: a model adapter declares `using track = unirl::rollout::flow_track;`.
+/// Track tag of image / video diffusion and flow-matching models: rollouts are `flow_rollout`.
 struct flow_track {
   using rollout_type = flow_rollout;
 };
 
-}  // namespace rollout
 }  // namespace unirl

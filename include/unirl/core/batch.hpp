@@ -56,6 +56,7 @@
 #include <torch/torch.h>
 
 #include <unirl/core/error.hpp>
+#include <unirl/core/host.hpp>
 
 namespace unirl::batch {
 
@@ -245,26 +246,31 @@ constexpr bool check() {
   return true;
 }
 
+// The index on the host. A host index (the trainer's minibatch indices) is read as it is; an
+// index on a device costs one host read (counted by `host_reads()`).
 inline std::vector<std::int64_t> host_index(const torch::Tensor& idx) {
+  if (!idx.is_cpu()) ++::unirl::detail::host_read_counter();
   const auto host = idx.to(torch::kCPU, torch::kInt64).contiguous();
   return {host.data_ptr<std::int64_t>(), host.data_ptr<std::int64_t>() + host.numel()};
 }
 
-// Columns [begin, end) of group `g` to keep after dropping the all-padding ones.
-inline std::pair<std::int64_t, std::int64_t> kept_columns(const torch::Tensor& mask, pad_side side,
-                                                          std::string_view mask_name) {
+// Whether each column of a (B, W) column mask holds a real entry in some row: (W,) float, no read.
+inline torch::Tensor used_columns(const torch::Tensor& mask, std::string_view mask_name) {
   UNIRL_CHECK(mask.defined() && mask.dim() == 2, "batch::trim: the column mask '", mask_name, "' has sizes ",
               mask.defined() ? mask.sizes() : torch::IntArrayRef{}, "; expected (B, W)");
-  const auto W = mask.size(1);
-  const auto any = (mask.to(torch::kFloat).sum(0) > 0).to(torch::kCPU).contiguous();
-  const auto* a = any.data_ptr<bool>();
+  return (mask.to(torch::kFloat).sum(0) > 0).to(torch::kFloat);
+}
+
+// Columns [begin, end) to keep of a group of `W` columns padded on `side`, given which are used
+// (`used[0..W)` read on the host): the all-padding ones on the padded side go, at least one stays.
+inline std::pair<std::int64_t, std::int64_t> kept_columns(const double* used, std::int64_t W, pad_side side) {
   if (side == pad_side::left) {
     std::int64_t b = 0;
-    while (b < W - 1 && !a[b]) ++b;
+    while (b < W - 1 && used[b] == 0.0) ++b;
     return {b, W};
   }
   std::int64_t e = W;
-  while (e > 1 && !a[e - 1]) --e;
+  while (e > 1 && used[e - 1] == 0.0) --e;
   return {0, e};
 }
 
@@ -278,6 +284,13 @@ B select(const B& b, const torch::Tensor& index) {
   UNIRL_CHECK(index.defined() && index.dim() == 1, "select: index must be 1-D, got sizes ",
               index.defined() ? index.sizes() : torch::IntArrayRef{});
   const auto idx = index.to(torch::kInt64);
+  // The index on each member's device: a host index is copied without waiting for the device
+  // (no synchronisation), once per device.
+  torch::Tensor idx_on;
+  auto index_on = [&](torch::Device d) -> const torch::Tensor& {
+    if (!idx_on.defined() || idx_on.device() != d) idx_on = idx.to(d, /*non_blocking=*/idx.is_cpu());
+    return idx_on;
+  };
   std::vector<std::int64_t> host;
   bool have_host = false;
   B out{};
@@ -288,7 +301,7 @@ B select(const B& b, const torch::Tensor& index) {
     const auto& from = boost::hana::second(pair)(b);
     auto& to = boost::hana::second(pair)(out);
     if constexpr (role == detail::role::per_sample_tensor) {
-      to = from.defined() ? from.index_select(0, idx.to(from.device())) : torch::Tensor{};
+      to = from.defined() ? from.index_select(0, index_on(from.device())) : torch::Tensor{};
     } else if constexpr (role == detail::role::per_sample_vector) {
       to.clear();
       if (from.empty()) return;
@@ -306,22 +319,15 @@ B select(const B& b, const torch::Tensor& index) {
   return out;
 }
 
-/// Dynamic padding: the same samples without the columns that are padding in every row, per
-/// ragged column group (`ragged_columns`); every other member copied. A batch without ragged
-/// columns comes back as it is.
+/// The batch with only columns [begin, end) of each ragged column group (`keep[g]` for the g-th
+/// group of `ragged_columns`); every other member copied. The widths a caller already knows on
+/// the host (the token sampler's lengths) trim a batch without reading the device.
 template <class B>
-B trim(const B& b) {
+B keep_columns(const B& b,
+               const std::array<std::pair<std::int64_t, std::int64_t>,
+                                detail::group_table<typename detail::ragged_of<B>::type>::count>& keep) {
   static_assert(detail::check<B>());
   using table = detail::group_table<typename detail::ragged_of<B>::type>;
-  std::array<std::pair<std::int64_t, std::int64_t>, table::count> keep{};
-  for (std::size_t g = 0; g < table::count; ++g) {
-    boost::hana::for_each(boost::hana::accessors<B>(), [&](auto pair) {
-      using P = detail::pair_t<decltype(pair)>;
-      if constexpr (std::is_same_v<detail::member_t<B, P>, torch::Tensor>)
-        if (detail::member_name<P>() == table::masks[g])
-          keep[g] = detail::kept_columns(boost::hana::second(pair)(b), table::sides[g], table::masks[g]);
-    });
-  }
   B out = b;
   boost::hana::for_each(boost::hana::accessors<B>(), [&](auto pair) {
     using P = detail::pair_t<decltype(pair)>;
@@ -329,11 +335,47 @@ B trim(const B& b) {
       constexpr int g = table::group_of(detail::member_name<P>());
       if constexpr (g >= 0) {
         auto& t = boost::hana::second(pair)(out);
-        if (t.defined()) t = t.slice(1, keep[static_cast<std::size_t>(g)].first, keep[static_cast<std::size_t>(g)].second);
+        const std::int64_t lo = keep[static_cast<std::size_t>(g)].first, hi = keep[static_cast<std::size_t>(g)].second;
+        UNIRL_CHECK(!t.defined() || (t.dim() >= 2 && 0 <= lo && lo <= hi && hi <= t.size(1)),
+                    "batch::keep_columns: columns [", lo, ", ", hi, ") of member '", detail::member_name<P>(),
+                    "' with sizes ", t.defined() ? t.sizes() : torch::IntArrayRef{},
+                    "; expected a range within dimension 1");
+        if (t.defined()) t = t.slice(1, lo, hi);
       }
     }
   });
   return out;
+}
+
+/// Dynamic padding: the same samples without the columns that are padding in every row, per
+/// ragged column group (`ragged_columns`); every other member copied. A batch without ragged
+/// columns comes back as it is. The masks of all groups are read in one host read.
+template <class B>
+B trim(const B& b) {
+  static_assert(detail::check<B>());
+  using table = detail::group_table<typename detail::ragged_of<B>::type>;
+  std::array<std::pair<std::int64_t, std::int64_t>, table::count> keep{};
+  if constexpr (table::count > 0) {
+    std::array<torch::Tensor, table::count> used{};
+    for (std::size_t g = 0; g < table::count; ++g) {
+      boost::hana::for_each(boost::hana::accessors<B>(), [&](auto pair) {
+        using P = detail::pair_t<decltype(pair)>;
+        if constexpr (std::is_same_v<detail::member_t<B, P>, torch::Tensor>)
+          if (detail::member_name<P>() == table::masks[g])
+            used[g] = detail::used_columns(boost::hana::second(pair)(b), table::masks[g]);
+      });
+    }
+    std::vector<torch::Tensor> parts;
+    for (const auto& u : used) parts.push_back(u.to(used.front().device()));
+    const auto read = to_host(torch::cat(parts));  // one read for every group
+    std::size_t at = 0;
+    for (std::size_t g = 0; g < table::count; ++g) {
+      const auto W = used[g].size(0);
+      keep[g] = detail::kept_columns(read.data() + at, W, table::sides[g]);
+      at += static_cast<std::size_t>(W);
+    }
+  }
+  return keep_columns(b, keep);
 }
 
 /// Zero padding for `concat`: every ragged member is padded with 0.

@@ -50,6 +50,11 @@ struct step_info {
   std::int64_t updates = 0;              // optimizer updates this step takes on its batch (0 = unknown);
                                          // 1: the update is on-policy (pi_old = pi_theta)
   std::map<std::string, torch::Tensor>* pending = nullptr;  // tensor figures the trainer reads at the step's end
+  std::int64_t logprob_chunk = 0;        // sequences per chunk of the no-grad log-probs (reference, pi_old);
+                                         // 0: all at once (trainer option memory.logprob_chunk)
+  std::int64_t micro_batches = 1;        // > 1: loss() sees one of this many micro-batches of a minibatch
+                                         // (gradient accumulation, trainer option micro_batch_size);
+                                         // whole-minibatch statistics came from prepare_minibatch
 
   /// Reports a figure in this step's statistics (the last report of a key wins).
   void report(const std::string& key, double value) const {

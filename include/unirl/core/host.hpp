@@ -31,7 +31,8 @@ inline std::atomic<std::int64_t>& host_read_counter() {
 }
 }  // namespace detail
 
-/// How many times `to_host` copied device values to the host since the program started.
+/// How many times `to_host` copied device values to the host since the program started (and
+/// `batch::select` read an index given on a device: a host index is no read).
 inline std::int64_t host_reads() { return detail::host_read_counter().load(); }
 
 /// The values of `t` (any shape, read in row-major order) as doubles: one device-to-host copy,

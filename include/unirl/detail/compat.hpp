@@ -16,6 +16,7 @@
 #include <type_traits>
 #include <utility>
 
+#include <ATen/autocast_mode.h>
 #include <torch/torch.h>
 #include <torch/version.h>
 
@@ -43,6 +44,44 @@ inline optimizer_state_key optimizer_state_key_of(const torch::Tensor& p) {
   return static_cast<void*>(p.unsafeGetTensorImpl());
 #else
   return c10::guts::to_string(p.unsafeGetTensorImpl());
+#endif
+}
+
+/// Turns LibTorch's autocast for `device` (CPU or CUDA) on with `dtype` as its lower precision, or
+/// off. LibTorch >= 2.4 has one call per device type (`set_autocast_enabled(kCPU, ...)`); 1.13
+/// has one per backend (`set_cpu_enabled`, `set_enabled` for CUDA), deprecated since.
+inline void set_autocast(c10::DeviceType device, bool enabled, at::ScalarType dtype) {
+#if UNIRL_TORCH_VERSION_AT_LEAST(2, 4)
+  at::autocast::set_autocast_dtype(device, dtype);
+  at::autocast::set_autocast_enabled(device, enabled);
+#else
+  if (device == c10::DeviceType::CUDA) {
+    at::autocast::set_autocast_gpu_dtype(dtype);
+    at::autocast::set_enabled(enabled);
+  } else {
+    at::autocast::set_autocast_cpu_dtype(dtype);
+    at::autocast::set_cpu_enabled(enabled);
+  }
+#endif
+}
+
+/// Whether autocast is on for `device`, and its lower-precision dtype.
+inline std::pair<bool, at::ScalarType> autocast_state(c10::DeviceType device) {
+#if UNIRL_TORCH_VERSION_AT_LEAST(2, 4)
+  return {at::autocast::is_autocast_enabled(device), at::autocast::get_autocast_dtype(device)};
+#else
+  if (device == c10::DeviceType::CUDA) return {at::autocast::is_enabled(), at::autocast::get_autocast_gpu_dtype()};
+  return {at::autocast::is_cpu_enabled(), at::autocast::get_autocast_cpu_dtype()};
+#endif
+}
+
+/// Whether this LibTorch's CPU autocast takes `dtype` as its lower precision: bfloat16 always,
+/// float16 from 2.4 on (1.13 warns and turns autocast off for anything but bfloat16).
+inline bool cpu_autocast_supports(at::ScalarType dtype) {
+#if UNIRL_TORCH_VERSION_AT_LEAST(2, 4)
+  return dtype == at::kBFloat16 || dtype == at::kHalf;
+#else
+  return dtype == at::kBFloat16;
 #endif
 }
 

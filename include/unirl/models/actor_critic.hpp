@@ -28,6 +28,7 @@
 #include <unirl/concepts/model.hpp>
 #include <unirl/core/error.hpp>
 #include <unirl/core/options.hpp>
+#include <unirl/core/precision.hpp>
 #include <unirl/models/module_adapter.hpp>
 #include <unirl/rollout/env.hpp>
 
@@ -138,12 +139,12 @@ class actor_critic : public module_adapter<actor_critic<Dist>, actor_critic_net<
       : base(actor_critic_net<Dist>(obs_dim, action_dim, std::move(o))) {}
 
   /// V(obs): (B, D) -> (B,).
-  torch::Tensor value(const torch::Tensor& obs) const { return critic_forward(input(obs)).squeeze(-1); }
+  torch::Tensor value(const torch::Tensor& obs) const { return upcast(critic_forward(input(obs))).squeeze(-1); }
 
   /// Samples actions for (B, D) observations, with their log-probabilities and values.
   env_action act(const torch::Tensor& obs) const {
     const auto x = input(obs);
-    const auto head = actor_forward(x);
+    const auto head = upcast(actor_forward(x));  // log-probs in float32 under autocast
     env_action a;
     if constexpr (discrete) {
       const auto logp_all = torch::log_softmax(head, -1);
@@ -154,7 +155,7 @@ class actor_critic : public module_adapter<actor_critic<Dist>, actor_critic_net<
       a.action = head + log_std.exp() * torch::randn_like(head);
       a.logp = gaussian_logp(a.action, head, log_std);
     }
-    a.value = critic_forward(x).squeeze(-1);
+    a.value = upcast(critic_forward(x)).squeeze(-1);
     return a;
   }
 
@@ -168,7 +169,7 @@ class actor_critic : public module_adapter<actor_critic<Dist>, actor_critic_net<
   /// log pi(actions | obs), entropy and value, differentiable: for the loss.
   env_evaluation evaluate(const torch::Tensor& obs, const torch::Tensor& actions) const {
     const auto x = input(obs);
-    const auto head = actor_forward(x);
+    const auto head = upcast(actor_forward(x));  // log-probs in float32 under autocast
     env_evaluation e;
     if constexpr (discrete) {
       UNIRL_CHECK(!actions.is_floating_point() && actions.dim() == 1 && actions.size(0) == x.size(0),
@@ -184,7 +185,7 @@ class actor_critic : public module_adapter<actor_critic<Dist>, actor_critic_net<
       e.logp = gaussian_logp(actions.to(head.scalar_type()), head, log_std);
       e.entropy = (log_std + 0.5 * (1.0 + std::log(2.0 * std::numbers::pi))).sum(-1);
     }
-    e.value = critic_forward(x).squeeze(-1);
+    e.value = upcast(critic_forward(x)).squeeze(-1);
     return e;
   }
 

@@ -32,8 +32,8 @@
 #include <unirl/concepts/track.hpp>
 #include <unirl/core/error.hpp>
 #include <unirl/core/options.hpp>
+#include <unirl/core/precision.hpp>
 #include <unirl/models/module_adapter.hpp>
-#include <unirl/rollout/flow.hpp>
 
 namespace unirl::models {
 
@@ -92,9 +92,10 @@ inline void check_sample(const torch::Tensor& x, const std::vector<std::int64_t>
 // forward when w != 1.
 template <class Net>
 torch::Tensor guided(Net net, const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& cond, double w) {
-  if (w == 1.0) return net->forward(x, t, cond);
+  if (w == 1.0) return upcast(net->forward(x, t, cond));  // float32 under autocast: the samplers' means
   const auto b = x.size(0);
-  const auto out = net->forward(torch::cat({x, x}), torch::cat({t, t}), torch::cat({cond, net->null_condition(cond)}));
+  const auto out =
+      upcast(net->forward(torch::cat({x, x}), torch::cat({t, t}), torch::cat({cond, net->null_condition(cond)})));
   const auto c = out.slice(0, 0, b), u = out.slice(0, b, 2 * b);
   return u + w * (c - u);
 }
@@ -122,7 +123,7 @@ torch::Tensor drop_conditions(Net& net, const torch::Tensor& cond, double p) {
 template <class Derived, class Net>
 class velocity_adapter : public module_adapter<Derived, Net> {
  public:
-  using track = rollout::flow_track;
+  using track = flow_track;
 
   velocity_adapter(Net net, std::vector<std::int64_t> sample_shape, flow_model_options o = {})
       : module_adapter<Derived, Net>(std::move(net)), shape_(std::move(sample_shape)), opts_(o) {
@@ -197,7 +198,7 @@ class video_flow_model : public detail::velocity_adapter<video_flow_model<Net>, 
 template <class Net>
 class ddpm_model : public module_adapter<ddpm_model<Net>, Net> {
  public:
-  using track = rollout::flow_track;
+  using track = flow_track;
 
   ddpm_model(Net net, std::vector<std::int64_t> sample_shape, flow_model_options o = {}, ddpm_schedule s = {})
       : module_adapter<ddpm_model<Net>, Net>(std::move(net)),

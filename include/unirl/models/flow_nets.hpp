@@ -23,7 +23,10 @@
 
 #include <unirl/core/error.hpp>
 #include <unirl/core/options.hpp>
+#include <unirl/core/precision.hpp>
+#include <unirl/models/activation_checkpoint.hpp>
 #include <unirl/models/flow.hpp>
+#include <unirl/models/lora.hpp>
 
 namespace unirl::models {
 
@@ -55,6 +58,34 @@ BOOST_HANA_ADAPT_STRUCT(unirl::models::flow_net_options, shape, channels, num_cl
 
 namespace unirl::models {
 
+namespace detail {
+/// Activation checkpointing of a flow net's residual blocks (`checkpoint_kind::flow_blocks`):
+/// each net holds one of these and runs its blocks through `run`.
+struct flow_block_checkpointing {
+  bool on = false;
+
+  void set(const std::vector<std::string>& kinds, const char* net) {
+    check_checkpointing_kinds(kinds, offered(), net);
+    on = wants_checkpointing(kinds, checkpoint_kind::flow_blocks);
+  }
+  static std::vector<std::string> offered() { return {std::string(checkpoint_kind::flow_blocks)}; }
+
+  /// `body(h, e)` of one block whose parameters are those of `modules`, recomputed in the
+  /// backward when on (and gradients are being recorded).
+  template <class Body>
+  torch::Tensor run(const Body& body, const torch::Tensor& h, const torch::Tensor& e,
+                    const std::vector<std::shared_ptr<torch::nn::Module>>& modules) const {
+    if (!on || !torch::GradMode::is_enabled()) return body(h, e);
+    std::vector<torch::Tensor> params;
+    for (const auto& m : modules)
+      for (auto& p : m->parameters()) params.push_back(p);
+    return checkpoint([body](const torch::autograd::variable_list& in) {
+             return torch::autograd::variable_list{body(in[0], in[1])};
+           }, {h, e}, params)[0];
+  }
+};
+}  // namespace detail
+
 /// Sinusoidal features of t in [0, 1] followed by a two-layer MLP, plus the condition's embedding.
 class condition_embeddingImpl : public torch::nn::Cloneable<condition_embeddingImpl> {
  public:
@@ -74,7 +105,7 @@ class condition_embeddingImpl : public torch::nn::Cloneable<condition_embeddingI
     const auto half = o_.embed_dim / 2;
     const auto freqs = torch::exp(torch::arange(half, t.options()) * (-std::log(1000.0) / static_cast<double>(half)));
     const auto arg = (t.reshape({-1, 1}) * 1000.0) * freqs.reshape({1, -1});
-    auto h = time2_(torch::silu(time1_(torch::cat({arg.sin(), arg.cos()}, 1))));
+    auto h = lora::forward(time2_, torch::silu(lora::forward(time1_, torch::cat({arg.sin(), arg.cos()}, 1))));
     if (o_.num_classes > 0) {
       UNIRL_CHECK(cond.dim() == 1 && !cond.is_floating_point(), "flow net: labels must be (B,) integers, got ",
                   cond.sizes(), " ", cond.dtype());
@@ -82,7 +113,7 @@ class condition_embeddingImpl : public torch::nn::Cloneable<condition_embeddingI
     } else {
       UNIRL_CHECK(cond.dim() == 2 && cond.size(1) == o_.cond_dim, "flow net: embeddings have sizes ", cond.sizes(),
                   "; expected (B, ", o_.cond_dim, ")");
-      h = h + project_(cond.to(t.scalar_type()));
+      h = h + lora::forward(project_, cond.to(t.scalar_type()));
     }
     return torch::silu(h);
   }
@@ -100,7 +131,7 @@ TORCH_MODULE(condition_embedding);
 
 /// Residual MLP velocity net over the flattened sample:
 /// `h += W2 silu(W1 norm(h) + U e)` per block, e the time + condition embedding.
-class mlp_velocity_netImpl : public torch::nn::Cloneable<mlp_velocity_netImpl> {
+class mlp_velocity_netImpl : public torch::nn::Cloneable<mlp_velocity_netImpl>, public lora::adaptable {
  public:
   explicit mlp_velocity_netImpl(const flow_net_options& o) : o_(o) { reset(); }
 
@@ -128,20 +159,27 @@ class mlp_velocity_netImpl : public torch::nn::Cloneable<mlp_velocity_netImpl> {
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& cond) {
     const auto b = x.size(0);
     const auto e = embed_->forward(t, cond);
-    auto h = input_(x.reshape({b, -1}));
+    auto h = lora::forward(input_, x.reshape({b, -1}));
     for (std::int64_t i = 0; i < o_.depth; ++i) {
-      auto norm = blocks_[4 * i]->as<torch::nn::LayerNorm>();
-      auto w1 = blocks_[4 * i + 1]->as<torch::nn::Linear>();
-      auto u = blocks_[4 * i + 2]->as<torch::nn::Linear>();
-      auto w2 = blocks_[4 * i + 3]->as<torch::nn::Linear>();
-      h = h + w2->forward(torch::silu(w1->forward(norm->forward(h)) + u->forward(e)));
+      auto norm = std::dynamic_pointer_cast<torch::nn::LayerNormImpl>(blocks_->ptr(4 * i));
+      auto w1 = std::dynamic_pointer_cast<torch::nn::LinearImpl>(blocks_->ptr(4 * i + 1));
+      auto u = std::dynamic_pointer_cast<torch::nn::LinearImpl>(blocks_->ptr(4 * i + 2));
+      auto w2 = std::dynamic_pointer_cast<torch::nn::LinearImpl>(blocks_->ptr(4 * i + 3));
+      h = checkpointing_.run([norm, w1, u, w2](const torch::Tensor& x, const torch::Tensor& c) {
+            return x + lora::forward(*w2, torch::silu(lora::forward(*w1, norm->forward(upcast(x))) + lora::forward(*u, c)));
+          }, h, e, {norm, w1, u, w2});
     }
-    return output_(torch::silu(h)).reshape(x.sizes());
+    return lora::forward(output_, torch::silu(h)).reshape(x.sizes());
   }
 
   torch::Tensor null_condition(const torch::Tensor& cond) const { return embed_->null_condition(cond); }
 
+  /// Activation checkpointing of the residual blocks (`checkpoint_kind::flow_blocks`).
+  void set_checkpointing(const std::vector<std::string>& kinds) { checkpointing_.set(kinds, "mlp_velocity_net"); }
+  std::vector<std::string> checkpointing_kinds() const { return detail::flow_block_checkpointing::offered(); }
+
  private:
+  detail::flow_block_checkpointing checkpointing_;
   flow_net_options o_;
   condition_embedding embed_{nullptr};
   torch::nn::Linear input_{nullptr}, output_{nullptr};
@@ -151,7 +189,7 @@ TORCH_MODULE(mlp_velocity_net);
 
 /// FiLM-conditioned residual conv net for (B, C, H, W): every block is
 /// `h += conv(silu(norm(h) * (1 + scale(e)) + shift(e)))` at full resolution.
-class conv_velocity_netImpl : public torch::nn::Cloneable<conv_velocity_netImpl> {
+class conv_velocity_netImpl : public torch::nn::Cloneable<conv_velocity_netImpl>, public lora::adaptable {
  public:
   explicit conv_velocity_netImpl(const flow_net_options& o) : o_(o) { reset(); }
 
@@ -178,18 +216,25 @@ class conv_velocity_netImpl : public torch::nn::Cloneable<conv_velocity_netImpl>
     const auto e = embed_->forward(t, cond);
     auto h = input_(x);
     for (std::int64_t i = 0; i < o_.depth; ++i) {
-      auto norm = blocks_[3 * i]->as<torch::nn::GroupNorm>();
-      auto film = blocks_[3 * i + 1]->as<torch::nn::Linear>();
-      auto conv = blocks_[3 * i + 2]->as<torch::nn::Conv2d>();
-      const auto ss = film->forward(e).unsqueeze(-1).unsqueeze(-1).chunk(2, 1);
-      h = h + conv->forward(torch::silu(norm->forward(h) * (1 + ss[0]) + ss[1]));
+      auto norm = std::dynamic_pointer_cast<torch::nn::GroupNormImpl>(blocks_->ptr(3 * i));
+      auto film = std::dynamic_pointer_cast<torch::nn::LinearImpl>(blocks_->ptr(3 * i + 1));
+      auto conv = std::dynamic_pointer_cast<torch::nn::Conv2dImpl>(blocks_->ptr(3 * i + 2));
+      h = checkpointing_.run([norm, film, conv](const torch::Tensor& x, const torch::Tensor& c) {
+            const auto ss = lora::forward(*film, c).unsqueeze(-1).unsqueeze(-1).chunk(2, 1);
+            return x + conv->forward(torch::silu(norm->forward(upcast(x)) * (1 + ss[0]) + ss[1]));
+          }, h, e, {norm, film, conv});
     }
     return output_(torch::silu(h));
   }
 
   torch::Tensor null_condition(const torch::Tensor& cond) const { return embed_->null_condition(cond); }
 
+  /// Activation checkpointing of the residual blocks (`checkpoint_kind::flow_blocks`).
+  void set_checkpointing(const std::vector<std::string>& kinds) { checkpointing_.set(kinds, "conv_velocity_net"); }
+  std::vector<std::string> checkpointing_kinds() const { return detail::flow_block_checkpointing::offered(); }
+
  private:
+  detail::flow_block_checkpointing checkpointing_;
   flow_net_options o_;
   condition_embedding embed_{nullptr};
   torch::nn::Conv2d input_{nullptr}, output_{nullptr};
@@ -200,7 +245,7 @@ TORCH_MODULE(conv_velocity_net);
 /// Velocity net for clips (B, F, C, H, W): a strided conv down to half resolution, blocks of a
 /// (1, 3, 3) spatial and a (3, 1, 1) temporal convolution with FiLM conditioning, then a
 /// transposed conv back up with a skip connection. H and W must be even.
-class temporal_velocity_netImpl : public torch::nn::Cloneable<temporal_velocity_netImpl> {
+class temporal_velocity_netImpl : public torch::nn::Cloneable<temporal_velocity_netImpl>, public lora::adaptable {
  public:
   explicit temporal_velocity_netImpl(const flow_net_options& o) : o_(o) { reset(); }
 
@@ -234,12 +279,14 @@ class temporal_velocity_netImpl : public torch::nn::Cloneable<temporal_velocity_
     const auto h0 = torch::silu(input_(x.transpose(1, 2)));  // (B, ch, F, H, W)
     auto h = down_(h0);
     for (std::int64_t i = 0; i < o_.depth; ++i) {
-      auto norm = blocks_[4 * i]->as<torch::nn::GroupNorm>();
-      auto film = blocks_[4 * i + 1]->as<torch::nn::Linear>();
-      auto space = blocks_[4 * i + 2]->as<torch::nn::Conv3d>();
-      auto time = blocks_[4 * i + 3]->as<torch::nn::Conv3d>();
-      const auto ss = film->forward(e).reshape({x.size(0), -1, 1, 1, 1}).chunk(2, 1);
-      h = h + time->forward(torch::silu(space->forward(torch::silu(norm->forward(h) * (1 + ss[0]) + ss[1]))));
+      auto norm = std::dynamic_pointer_cast<torch::nn::GroupNormImpl>(blocks_->ptr(4 * i));
+      auto film = std::dynamic_pointer_cast<torch::nn::LinearImpl>(blocks_->ptr(4 * i + 1));
+      auto space = std::dynamic_pointer_cast<torch::nn::Conv3dImpl>(blocks_->ptr(4 * i + 2));
+      auto time = std::dynamic_pointer_cast<torch::nn::Conv3dImpl>(blocks_->ptr(4 * i + 3));
+      h = checkpointing_.run([norm, film, space, time](const torch::Tensor& y, const torch::Tensor& c) {
+            const auto ss = lora::forward(*film, c).reshape({y.size(0), -1, 1, 1, 1}).chunk(2, 1);
+            return y + time->forward(torch::silu(space->forward(torch::silu(norm->forward(upcast(y)) * (1 + ss[0]) + ss[1]))));
+          }, h, e, {norm, film, space, time});
     }
     const auto u = torch::silu(up_(h));
     return output_(torch::cat({u, h0}, 1)).transpose(1, 2);
@@ -247,7 +294,12 @@ class temporal_velocity_netImpl : public torch::nn::Cloneable<temporal_velocity_
 
   torch::Tensor null_condition(const torch::Tensor& cond) const { return embed_->null_condition(cond); }
 
+  /// Activation checkpointing of the residual blocks (`checkpoint_kind::flow_blocks`).
+  void set_checkpointing(const std::vector<std::string>& kinds) { checkpointing_.set(kinds, "temporal_velocity_net"); }
+  std::vector<std::string> checkpointing_kinds() const { return detail::flow_block_checkpointing::offered(); }
+
  private:
+  detail::flow_block_checkpointing checkpointing_;
   flow_net_options o_;
   condition_embedding embed_{nullptr};
   torch::nn::Conv3d input_{nullptr}, down_{nullptr}, output_{nullptr};
@@ -274,9 +326,9 @@ class film_res_blockImpl : public torch::nn::Cloneable<film_res_blockImpl> {
   }
 
   torch::Tensor forward(const torch::Tensor& h, const torch::Tensor& e) {
-    const auto ss = film_(e).unsqueeze(-1).unsqueeze(-1).chunk(2, 1);
-    const auto r = conv1_(torch::silu(norm1_(h) * (1 + ss[0]) + ss[1]));
-    return h + conv2_(torch::silu(norm2_(r)));
+    const auto ss = lora::forward(film_, e).unsqueeze(-1).unsqueeze(-1).chunk(2, 1);
+    const auto r = conv1_(torch::silu(norm1_(upcast(h)) * (1 + ss[0]) + ss[1]));
+    return h + conv2_(torch::silu(norm2_(upcast(r))));
   }
 
  private:
@@ -297,7 +349,7 @@ TORCH_MODULE(film_res_block);
 /// clip_unet_velocity_net net({.shape = {4, 1, 16, 16}, .num_classes = 10, .hidden = 32, .depth = 2});
 /// video_flow_model<clip_unet_velocity_net> m(net, {4, 1, 16, 16});
 /// ```
-class clip_unet_velocity_netImpl : public torch::nn::Cloneable<clip_unet_velocity_netImpl> {
+class clip_unet_velocity_netImpl : public torch::nn::Cloneable<clip_unet_velocity_netImpl>, public lora::adaptable {
  public:
   explicit clip_unet_velocity_netImpl(const flow_net_options& o) : o_(o) { reset(); }
 
@@ -332,17 +384,29 @@ class clip_unet_velocity_netImpl : public torch::nn::Cloneable<clip_unet_velocit
     const auto b = x.size(0);
     const auto e = embed_->forward(t, cond);
     const auto h0 = torch::silu(input_(x.reshape({b, -1, x.size(3), x.size(4)})));  // (B, ch, H, W)
-    const auto h1 = enc_->forward(down1_(h0), e);                                     // (B, 2ch, H/2, W/2)
+    const auto h1 = res_block(enc_.ptr(), down1_(h0), e);                            // (B, 2ch, H/2, W/2)
     auto h = down2_(h1);                                                               // (B, 2ch, H/4, W/4)
-    for (std::int64_t i = 0; i < o_.depth; ++i) h = mid_[i]->as<detail::film_res_block>()->forward(h, e);
-    h = dec_->forward(up2_(h) + h1, e);
+    for (std::int64_t i = 0; i < o_.depth; ++i)
+      h = res_block(std::dynamic_pointer_cast<detail::film_res_blockImpl>(mid_->ptr(i)), h, e);
+    h = res_block(dec_.ptr(), up2_(h) + h1, e);
     h = torch::silu(up1_(h));
     return output_(torch::cat({h, h0}, 1)).reshape(x.sizes());
   }
 
   torch::Tensor null_condition(const torch::Tensor& cond) const { return embed_->null_condition(cond); }
 
+  /// Activation checkpointing of the FiLM residual blocks (`checkpoint_kind::flow_blocks`).
+  void set_checkpointing(const std::vector<std::string>& kinds) { checkpointing_.set(kinds, "clip_unet_velocity_net"); }
+  std::vector<std::string> checkpointing_kinds() const { return detail::flow_block_checkpointing::offered(); }
+
  private:
+  torch::Tensor res_block(const std::shared_ptr<detail::film_res_blockImpl>& b, const torch::Tensor& h,
+                          const torch::Tensor& e) const {
+    return checkpointing_.run([b](const torch::Tensor& x, const torch::Tensor& c) { return b->forward(x, c); }, h, e,
+                              {b});
+  }
+
+  detail::flow_block_checkpointing checkpointing_;
   flow_net_options o_;
   condition_embedding embed_{nullptr};
   torch::nn::Conv2d input_{nullptr}, down1_{nullptr}, down2_{nullptr}, output_{nullptr};

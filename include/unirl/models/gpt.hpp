@@ -22,7 +22,10 @@
 #include <unirl/core/error.hpp>
 #include <unirl/core/host.hpp>
 #include <unirl/core/options.hpp>
+#include <unirl/core/precision.hpp>
+#include <unirl/models/activation_checkpoint.hpp>
 #include <unirl/models/causal_lm.hpp>
+#include <unirl/models/lora.hpp>
 #include <unirl/models/module_adapter.hpp>
 #include <unirl/ops/attention.hpp>
 #include <unirl/rollout/token.hpp>
@@ -98,7 +101,7 @@ class gpt_block_impl : public torch::nn::Cloneable<gpt_block_impl> {
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& bias, torch::Tensor* k_all, torch::Tensor* v_all,
                         std::int64_t start) {
     const auto B = x.size(0), n = x.size(1), dh = d_ / h_;
-    auto parts = qkv(ln1(x)).view({B, n, 3, h_, dh}).permute({2, 0, 3, 1, 4});  // (3, B, H, n, Dh)
+    auto parts = lora::forward(qkv, ln1(upcast(x))).view({B, n, 3, h_, dh}).permute({2, 0, 3, 1, 4});  // (3, B, H, n, Dh)
     auto q = parts[0], k = parts[1], v = parts[2];
     if (k_all) {
       k_all->slice(2, start, start + n).copy_(k);
@@ -107,8 +110,8 @@ class gpt_block_impl : public torch::nn::Cloneable<gpt_block_impl> {
       v = v_all->slice(2, 0, start + n);
     }
     auto y = ops::attention(q, k, v, bias, 1.0 / std::sqrt(static_cast<double>(dh))).transpose(1, 2).reshape({B, n, d_});
-    auto h = x + proj(y);
-    return h + fc2(torch::gelu(fc1(ln2(h))));
+    auto h = x + lora::forward(proj, y);
+    return h + lora::forward(fc2, torch::gelu(lora::forward(fc1, ln2(upcast(h)))));
   }
 
   torch::nn::LayerNorm ln1{nullptr}, ln2{nullptr};
@@ -120,7 +123,7 @@ class gpt_block_impl : public torch::nn::Cloneable<gpt_block_impl> {
 TORCH_MODULE_IMPL(gpt_block, gpt_block_impl);
 
 /// The network: token + position embeddings, `n_layer` blocks, final norm, linear head.
-class gpt_net_impl : public torch::nn::Cloneable<gpt_net_impl> {
+class gpt_net_impl : public torch::nn::Cloneable<gpt_net_impl>, public lora::adaptable {
  public:
   explicit gpt_net_impl(gpt_options o = {}) : o_(o) {
     unirl::options::validate(o_);
@@ -150,6 +153,25 @@ class gpt_net_impl : public torch::nn::Cloneable<gpt_net_impl> {
 
   const gpt_options& config() const { return o_; }
 
+  /// Recompute each block in the backward of a forward with gradients (`activation_checkpoint.hpp`).
+  bool checkpoint_blocks = false;
+
+  /// The blocks on x (B, N, D) with an additive bias, each checkpointed when `checkpoint_blocks`.
+  torch::Tensor run_blocks(torch::Tensor x, const torch::Tensor& bias) {
+    const bool recompute = checkpoint_blocks && torch::GradMode::is_enabled();
+    for (const auto& b : *blocks) {
+      auto block = std::dynamic_pointer_cast<gpt_block_impl>(b);
+      if (!recompute) {
+        x = block->forward(x, bias, nullptr, nullptr, 0);
+        continue;
+      }
+      x = checkpoint([block](const torch::autograd::variable_list& in) {
+            return torch::autograd::variable_list{block->forward(in[0], in[1], nullptr, nullptr, 0)};
+          }, {x, bias}, block->parameters())[0];
+    }
+    return x;
+  }
+
   // Positions must index the position table [0, max_len). Inside a `deferred_checks` scope (the
   // trainer's step) the check waits for the step's next read and the positions are clamped
   // meanwhile; outside one it reads them at once (one host synchronisation) and throws.
@@ -178,8 +200,8 @@ class gpt_net_impl : public torch::nn::Cloneable<gpt_net_impl> {
     const auto positions = checked_positions((m.cumsum(1) - 1.0).clamp_min(0.0).to(torch::kInt64), false);
     const auto bias = attention_bias(m.to(torch::kBool), 0, L, ids.device());
     auto x = tok(ids) + pos(positions);
-    for (const auto& b : *blocks) x = b->as<gpt_block_impl>()->forward(x, bias, nullptr, nullptr, 0);
-    return head(ln_f(x));
+    x = run_blocks(x, bias);
+    return head(ln_f(upcast(x)));
   }
 
   /// Packed forward: several sequences concatenated into each row without padding.
@@ -203,8 +225,8 @@ class gpt_net_impl : public torch::nn::Cloneable<gpt_net_impl> {
                           .masked_fill(allowed.logical_not(), -std::numeric_limits<float>::infinity())
                           .unsqueeze(1);  // (R, 1, N, N)
     auto x = tok(ids) + pos(pos_ids);
-    for (const auto& b : *blocks) x = b->as<gpt_block_impl>()->forward(x, bias, nullptr, nullptr, 0);
-    return head(ln_f(x));
+    x = run_blocks(x, bias);
+    return head(ln_f(upcast(x)));
   }
 
   /// An empty cache for `batch` sequences of up to `capacity` tokens.
@@ -238,13 +260,31 @@ class gpt_net_impl : public torch::nn::Cloneable<gpt_net_impl> {
     c.count += m.sum(1).to(torch::kInt64);
     const auto bias = attention_bias(c.mask.slice(1, 0, start + n).to(torch::kBool), start, n, ids.device());
     auto x = tok(ids) + pos(positions);
+    const bool recompute = checkpoint_blocks && torch::GradMode::is_enabled();
     std::int64_t l = 0;
     for (const auto& b : *blocks) {
-      x = b->as<gpt_block_impl>()->forward(x, bias, &c.k[static_cast<std::size_t>(l)], &c.v[static_cast<std::size_t>(l)], start);
+      auto& K = c.k[static_cast<std::size_t>(l)];
+      auto& V = c.v[static_cast<std::size_t>(l)];
+      if (recompute) {
+        // The block as a pure function of x and the keys / values so far (copies: the cache is
+        // written below); its new keys and values are outputs, written into the cache here.
+        auto block = std::dynamic_pointer_cast<gpt_block_impl>(b);
+        const auto outs = checkpoint([block, start](const torch::autograd::variable_list& in) {
+              auto kb = torch::cat({in[2], in[2].new_zeros({in[2].size(0), in[2].size(1), in[0].size(1), in[2].size(3)})}, 2);
+              auto vb = torch::cat({in[3], in[3].new_zeros({in[3].size(0), in[3].size(1), in[0].size(1), in[3].size(3)})}, 2);
+              auto y = block->forward(in[0], in[1], &kb, &vb, start);
+              return torch::autograd::variable_list{y, kb.slice(2, start), vb.slice(2, start)};
+            }, {x, bias, K.slice(2, 0, start).clone(), V.slice(2, 0, start).clone()}, block->parameters());
+        K.slice(2, start, start + n).copy_(outs[1]);
+        V.slice(2, start, start + n).copy_(outs[2]);
+        x = outs[0];
+      } else {
+        x = b->as<gpt_block_impl>()->forward(x, bias, &K, &V, start);
+      }
       ++l;
     }
     c.length = start + n;
-    return head(ln_f(x));
+    return head(ln_f(upcast(x)));
   }
 
   torch::nn::Embedding tok{nullptr}, pos{nullptr};
@@ -313,17 +353,27 @@ struct gpt : module_adapter<gpt, gpt_net> {
   kv_cache select_cache(const kv_cache& c, const torch::Tensor& index) const { return c.select(index); }
   std::int64_t vocab_size() const { return net_->config().vocab_size; }
   std::int64_t max_length() const { return net_->config().max_len; }
+  /// Activation checkpointing of the decoder blocks (`checkpoint_kind::decoder_blocks`) in
+  /// forwards with gradients; other kinds throw `config_error`. An empty list turns it off.
+  void set_checkpointing(const std::vector<std::string>& kinds) {
+    check_checkpointing_kinds(kinds, checkpointing_kinds(), "models::gpt");
+    net_->checkpoint_blocks = wants_checkpointing(kinds, checkpoint_kind::decoder_blocks);
+  }
+  std::vector<std::string> checkpointing_kinds() const { return {std::string(checkpoint_kind::decoder_blocks)}; }
 
   /// A critic with this model's backbone weights and a fresh scalar head.
   gpt_critic make_critic() const {
     auto o = net_->config();
     o.out_dim = 1;
     gpt_net critic(o);
+    critic->checkpoint_blocks = net_->checkpoint_blocks;
+    // on the policy's device and in its dtype (a float64 policy gets a float64 critic)
+    const auto like = net_->parameters().front();
+    critic->to(like.device(), like.scalar_type());
     torch::NoGradGuard ng;
     auto src = net_->named_parameters();
     for (auto& p : critic->named_parameters())
       if (!p.key().starts_with("head.") && src.contains(p.key())) p.value().copy_(src[p.key()]);
-    critic->to(device());
     return gpt_critic(critic);
   }
 };

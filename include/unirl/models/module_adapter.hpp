@@ -18,6 +18,7 @@
 
 #include <unirl/concepts/model.hpp>
 #include <unirl/core/error.hpp>
+#include <unirl/models/lora.hpp>
 
 namespace unirl::models {
 
@@ -49,11 +50,12 @@ class module_adapter {
     return ps.empty() ? torch::Device(torch::kCPU) : ps.front().device();
   }
 
-  /// A deep copy: same weights, independent storage (reference model, EMA copy).
+  /// A deep copy: same weights, independent storage (reference model, EMA copy). LoRA adapters
+  /// are copied with the rest, and so is each parameter's requires_grad when there are some.
   Derived clone() const {
     Derived copy = static_cast<const Derived&>(*this);
     const auto dev = device();
-    auto cloned = std::dynamic_pointer_cast<typename Net::Impl>(net_->clone(dev));
+    auto cloned = std::dynamic_pointer_cast<typename Net::Impl>(lora::clone(*net_.ptr(), dev));
     UNIRL_CHECK(cloned != nullptr, "module_adapter::clone: the module is not a torch::nn::Cloneable");
     copy.net_ = Net(cloned);
     return copy;

@@ -36,6 +36,12 @@
 
 namespace unirl::ops {
 
+/// The floating type token log-probabilities are computed in for logits of type `t`: float64
+/// stays float64, every other type (float32; float16 and bfloat16, upcast for accuracy) float32.
+inline torch::ScalarType logprob_dtype(torch::ScalarType t) {
+  return t == torch::kDouble ? torch::kDouble : torch::kFloat;
+}
+
 /// Log-probabilities of the targets and the entropies of the rows.
 struct logprob_result {
   torch::Tensor logp;     // (N,)

@@ -40,6 +40,7 @@
 #include <unirl/core/options.hpp>
 #include <unirl/data/jsonl.hpp>
 #include <unirl/models/hf/pretrained.hpp>
+#include <unirl/models/lora.hpp>
 #include <unirl/rewards/remote.hpp>
 #include <unirl/rewards/rules.hpp>
 #include <unirl/rewards/weighted.hpp>
@@ -47,6 +48,7 @@
 #include <unirl/tokenizers/bpe.hpp>
 #include <unirl/tokenizers/chat.hpp>
 #include <unirl/train/run_directory.hpp>
+#include <unirl/train/sft.hpp>
 #include <unirl/trainer.hpp>
 
 namespace unirl::recipes {
@@ -100,6 +102,25 @@ struct checkpoint_recipe {
   }
 };
 
+/// The supervised stage before RL (off with steps = 0): cross-entropy on the answers of a JSONL
+/// file (prompt as the RL stage formats it, then the answer and the end-of-sequence token),
+/// through `train::sft_trainer`; its checkpoints are `<out>/sft/checkpoints/` (a finished stage
+/// loads instead of training), its metrics `<out>/sft_metrics.jsonl`.
+struct sft_recipe {
+  std::int64_t steps = 0;                    // optimizer steps; 0: no supervised stage
+  std::string data{};                        // JSONL with prompt and answer (same keys as `data`); empty: `data`'s file
+  std::int64_t batch_size = 8;               // sequences per step
+  train::optimizer_options optim{.lr = 1e-5};
+  train::schedule_options schedule{};
+  train::clip_options clip{};
+  train::sft_layout layout = train::sft_layout::padded;  // padded, or packed (sequence packing)
+
+  void validate(const std::string& p) const {
+    options::require(steps >= 0, p + "steps", steps, ">= 0 (0: no supervised stage)");
+    options::require(batch_size >= 1, p + "batch_size", batch_size, ">= 1");
+  }
+};
+
 /// A recipe (the file `unirl-train --recipe` reads; every key may be overridden as key=value).
 struct token_recipe {
   std::string model{};                       // Hugging Face directory: config.json, *.safetensors, tokenizer
@@ -109,6 +130,7 @@ struct token_recipe {
   prompt_format format = prompt_format::automatic;  // auto: ChatML when the tokenizer has <|im_start|>, else plain
   std::string system_prompt{};               // a system message for chat formats (empty: none)
   std::string prompt_suffix{};               // appended to a text prompt (e.g. "=" or " Answer:")
+  sft_recipe sft{};                          // supervised stage before RL (steps = 0: none)
   algorithm_name algorithm = algorithm_name::grpo;
   algo::grpo_options grpo{};                 // the GRPO family's options (after the preset)
   algo::ppo<>::for_track<token_track>::options ppo{};  // PPO's options (track.sampling: from `sampling`)
@@ -118,11 +140,16 @@ struct token_recipe {
   train::optimizer_options optim{.lr = 1e-5};
   train::schedule_options schedule{};
   train::clip_options clip{};
+  train::memory_options memory{};            // activation checkpointing, reference placement, log-prob chunks
+  lora::options lora{};                      // LoRA adapters (rank > 0): only they train; export merged + adapter/
+  ::unirl::precision precision = ::unirl::precision::fp32;  // fp32, bf16, fp16 (autocast; float32 master weights)
+  train::loss_scale_options loss_scale{};    // dynamic loss scaling (fp16; loss_scale.mode=on for any precision)
   std::int64_t group_size = 8;
   std::int64_t prompts_per_step = 8;
   std::int64_t steps = 100;
   std::int64_t epochs = 1;
   std::int64_t minibatches = 1;
+  std::int64_t micro_batch_size = 0;         // gradient accumulation: samples per forward/backward; 0: whole minibatch
   std::int64_t seed = 0;
   std::int64_t threads = 0;                  // LibTorch intra-op threads; 0 = LibTorch's default
   std::string device = "cpu";
@@ -155,10 +182,11 @@ struct token_recipe {
 BOOST_HANA_ADAPT_STRUCT(unirl::recipes::reward_recipe, exact_answer, answer, format, format_options, remote,
                         remote_options);
 BOOST_HANA_ADAPT_STRUCT(unirl::recipes::checkpoint_recipe, every, keep, resume);
+BOOST_HANA_ADAPT_STRUCT(unirl::recipes::sft_recipe, steps, data, batch_size, optim, schedule, clip, layout);
 BOOST_HANA_ADAPT_STRUCT(unirl::recipes::token_recipe, model, data, eval_data, eval_records, format, system_prompt,
-                        prompt_suffix, algorithm, grpo, ppo, sampling, stop, reward, optim, schedule, clip, group_size,
-                        prompts_per_step, steps, epochs, minibatches, seed, threads, device, out, checkpoint,
-                        export_dir, progress);
+                        prompt_suffix, sft, algorithm, grpo, ppo, sampling, stop, reward, optim, schedule, clip, memory, lora,
+                        precision, loss_scale, group_size, prompts_per_step, steps, epochs, minibatches,
+                        micro_batch_size, seed, threads, device, out, checkpoint, export_dir, progress);
 
 namespace unirl::recipes {
 
@@ -211,6 +239,8 @@ inline void load(token_recipe& r, const std::string& path, const std::vector<std
 /// What a run reports.
 struct run_result {
   double accuracy_before = -1.0, accuracy_after = -1.0;  // greedy held-out accuracy (-1: no eval_data)
+  double accuracy_after_sft = -1.0;                       // ... after the supervised stage (-1: none)
+  std::int64_t sft_steps = 0;                             // supervised steps done by this process
   std::int64_t steps = 0;                                 // steps done by this process
   std::int64_t first_step = 0;                            // 0, or the step a resumed run continued from
   double reward_first = 0.0, reward_last = 0.0;           // mean reward of the first and last step run
@@ -316,6 +346,45 @@ typename Algorithm::options algorithm_options(const token_recipe& r, const sampl
   }
 }
 
+// The supervised stage of a recipe (`sft_recipe`) on `model`; returns the steps it ran.
+inline std::int64_t run_sft(const token_recipe& r, const tokenizers::bpe_tokenizer& tok, models::hf::causal_lm& model,
+                            const std::filesystem::path& out) {
+  auto dopts = r.data;
+  if (!r.sft.data.empty()) dopts.path = r.sft.data;
+  data::jsonl_dataset records(dopts);
+  const auto eos = tok.eos_id();
+  train::sft_trainer<models::hf::causal_lm> stage(
+      model, {.objective = {.layout = r.sft.layout},
+              .optim = r.sft.optim,
+              .schedule = r.sft.schedule,
+              .clip = r.sft.clip,
+              .batch_size = r.sft.batch_size,
+              .steps = r.sft.steps,
+              .seed = r.seed,
+              .device = r.device,
+              .metrics_path = (out / "sft_metrics.jsonl").string(),
+              .progress = r.progress,
+              .out = (out / "sft").string(),
+              .checkpoint_every = r.checkpoint.every,
+              .keep = r.checkpoint.keep,
+              .resume = r.checkpoint.resume});
+  const auto res = stage.run(
+      [&](std::int64_t n) {
+        std::vector<std::vector<std::int64_t>> prompts, answers;
+        for (const auto& rec : records.next(n)) {
+          UNIRL_CHECK(!rec.answer.empty(), "recipe: sft: line ", rec.line, " of '", dopts.path,
+                      "' has no answer: the supervised stage needs one per record");
+          prompts.push_back(tok.encode(prompt_text(r, tok, rec)));
+          answers.push_back(tok.encode(rec.answer));
+          if (eos) answers.back().push_back(*eos);
+        }
+        return train::make_sft_batch(prompts, answers, tok.pad_id());
+      },
+      nullptr, records);
+  if (res.resumed) std::cout << "sft: resumed at step " << res.first_step << "\n";
+  return res.steps;
+}
+
 template <class Algorithm>
 run_result run_with(const token_recipe& r) {
   using clock = std::chrono::steady_clock;
@@ -327,6 +396,7 @@ run_result run_with(const token_recipe& r) {
 
   auto tok = tokenizers::bpe_tokenizer::from_dir(r.model);
   auto model = models::hf::from_pretrained(r.model, {.dtype = models::hf::weight_dtype::float32, .device = r.device});
+  if (r.lora.rank > 0) lora::apply(model, r.lora);
   auto s = r.sampling;
   if (const auto eos = tok.eos_id()) s.stop_tokens.push_back(*eos);
   for (const auto& t : r.stop) {
@@ -349,9 +419,13 @@ run_result run_with(const token_recipe& r) {
   topts.optim = r.optim;
   topts.schedule = r.schedule;
   topts.clip = r.clip;
+  topts.memory = r.memory;
   topts.group_size = r.group_size;
   topts.epochs = r.epochs;
   topts.minibatches = r.minibatches;
+  topts.micro_batch_size = r.micro_batch_size;
+  topts.precision = r.precision;
+  topts.loss_scale = r.loss_scale;
   topts.seed = r.seed;
   topts.device = r.device;
   topts.metrics_path = (out / "metrics.jsonl").string();
@@ -360,6 +434,11 @@ run_result run_with(const token_recipe& r) {
   run_result res;
   model.train(false);
   res.accuracy_before = greedy_accuracy(model, r, tok, eval);
+  if (r.sft.steps > 0) {
+    res.sft_steps = run_sft(r, tok, model, out);
+    model.train(false);
+    res.accuracy_after_sft = greedy_accuracy(model, r, tok, eval);
+  }
   trainer_t t{std::move(model), make_reward(r.reward), topts};
 
   // <out>/checkpoints/step-<n>.pt: the latest complete one resumes (a damaged newer one is skipped
@@ -395,10 +474,13 @@ run_result run_with(const token_recipe& r) {
   res.accuracy_after = greedy_accuracy(policy, r, tok, eval);
   if (r.export_dir != "none") {
     res.export_dir = r.export_dir.empty() ? (out / "export").string() : r.export_dir;
-    models::hf::save_pretrained(policy, res.export_dir, {.copy_tokenizer_from = r.model});
+    models::hf::save_pretrained(policy, res.export_dir, {.copy_tokenizer_from = r.model});  // LoRA: merged
+    if (r.lora.rank > 0)  // the adapter alone, in PEFT's layout
+      lora::save_adapter(policy, std::filesystem::path(res.export_dir) / "adapter", {.base_model_name_or_path = r.model});
   }
   res.seconds = std::chrono::duration<double>(clock::now() - t0).count();
   nlohmann::json summary{{"accuracy_before", res.accuracy_before}, {"accuracy_after", res.accuracy_after},
+                         {"sft_steps", res.sft_steps},             {"accuracy_after_sft", res.accuracy_after_sft},
                          {"steps", res.steps},                     {"first_step", res.first_step},
                          {"reward_first", res.reward_first},       {"reward_last", res.reward_last},
                          {"seconds", res.seconds},                 {"export_dir", res.export_dir},

@@ -37,13 +37,13 @@ namespace unirl {
 struct env_rollout {
   torch::Tensor obs;         // (T*N, D) float: observation the action was taken in
   torch::Tensor actions;     // (T*N,) int64 (discrete) | (T*N, A) float (continuous, unclipped sample)
-  torch::Tensor logprobs;    // (T*N,) float: log pi_old(action | obs)
+  torch::Tensor logprobs;    // (T*N,) the policy's float type: log pi_old(action | obs)
   torch::Tensor rewards;     // (T*N,) float: reward of that step (normalised when the runner does)
   torch::Tensor dones;       // (T*N,) float: 1 when obs is the first of an episode after a done
-  torch::Tensor values;      // (T*N,) float: V_old(obs)
-  torch::Tensor advantages;  // (T*N,) float: filled by the advantage stage (GAE)
-  torch::Tensor returns;     // (T*N,) float: advantages + values
-  torch::Tensor next_value;  // (N,) float: V(obs_T), bootstraps GAE; undefined in a minibatch
+  torch::Tensor values;      // (T*N,) the policy's float type: V_old(obs)
+  torch::Tensor advantages;  // (T*N,) the values' type: filled by the advantage stage (GAE)
+  torch::Tensor returns;     // (T*N,) the values' type: advantages + values
+  torch::Tensor next_value;  // (N,) the values' type: V(obs_T), bootstraps GAE; undefined in a minibatch
   torch::Tensor next_done;   // (N,) float: done flag of obs_T; undefined in a minibatch
   std::int64_t num_steps = 0;  // T; 0 for a minibatch (rows no longer form a (T, N) grid)
   std::int64_t num_envs = 0;   // N; 0 for a minibatch
@@ -91,8 +91,10 @@ env_rollout collect(const P& policy, V& env, std::int64_t num_steps, const step_
       for (std::int64_t d = 1; d < a.action.dim(); ++d) act_shape.push_back(a.action.size(d));
       r.obs = torch::empty({num_steps * n, obs.size(1)}, fopt);
       r.actions = torch::empty(act_shape, a.action.options());
-      r.logprobs = torch::empty({num_steps * n}, fopt);
-      r.values = torch::empty({num_steps * n}, fopt);
+      // The policy's log-probs and values keep its floating type (float64 policy: float64 rollout).
+      auto float_of = [](const torch::Tensor& x) { return x.is_floating_point() ? x.scalar_type() : torch::kFloat; };
+      r.logprobs = torch::empty({num_steps * n}, fopt.dtype(float_of(a.logp)));
+      r.values = torch::empty({num_steps * n}, fopt.dtype(float_of(a.value)));
       r.rewards = torch::empty({num_steps * n}, fopt);
       r.dones = torch::empty({num_steps * n}, fopt);
     }
@@ -109,7 +111,7 @@ env_rollout collect(const P& policy, V& env, std::int64_t num_steps, const step_
     obs = env.observations();
     done = out.dones;
   }
-  r.next_value = policy.value(obs).reshape({n}).to(torch::kFloat);
+  r.next_value = policy.value(obs).reshape({n}).to(r.values.scalar_type());
   r.next_done = done.to(r.values.device(), torch::kFloat);
   if (info) {
     const auto& eps = env.episodes();

@@ -14,11 +14,19 @@
 /// | `sde::dance`       | velocity  | `eta sqrt(|dt|)`                 |
 /// | `sde::ddim`        | noise     | `eta sqrt((1-ab')/(1-ab)) sqrt(1-ab/ab')` |
 ///
+/// Every tensor keeps the floating type of the states: a float64 model (or float64 `noise`) gives
+/// a float64 trajectory, means and log-probs. Each function takes the execution policy first
+/// (`exec::automatic` by default; the flow algorithms pass theirs): `denoise_step` has a fused CPU
+/// implementation (`cx x + cm out` as one multiply-add kernel, `exec::cpu` / `automatic` on CPU
+/// tensors; it may differ from the reference in the last bit), the other flow ops the reference
+/// only. Sampling and replay run the same implementation, so a replay stays bit-exact.
+///
 /// ```cpp
-/// unirl::rollout::sde::flow_grpo sampler({.steps = 10, .noise_level = 0.7});
-/// auto batch = unirl::rollout::sample_trajectory(sampler, model, labels);   // (B, 11, C, H, W)
-/// auto step = unirl::rollout::denoise_step(sampler, model, batch.trajectory.select(1, 3), t, t_next, labels);
-/// auto logp = unirl::rollout::gaussian_log_prob(batch.trajectory.select(1, 4), step.mean, step.std);
+/// unirl::sde::flow_grpo sampler({.steps = 10, .noise_level = 0.7});
+/// auto batch = unirl::sample_trajectory(sampler, model, labels);   // (B, 11, C, H, W)
+/// auto step = unirl::denoise_step(sampler, model, batch.trajectory.select(1, 3), t, t_next, labels);
+/// auto logp = unirl::gaussian_log_prob(batch.trajectory.select(1, 4), step.mean, step.std);
+/// auto same = unirl::sample_trajectory<unirl::exec::reference>(sampler, model, labels);
 /// ```
 #include <array>
 #include <cmath>
@@ -31,20 +39,22 @@
 #include <boost/hana.hpp>
 #include <torch/torch.h>
 
+#include <unirl/concepts/execution.hpp>
 #include <unirl/concepts/flow.hpp>
 #include <unirl/concepts/flow_sampler.hpp>
 #include <unirl/config.hpp>
 #include <unirl/core/error.hpp>
 #include <unirl/core/options.hpp>
+#include <unirl/exec/policy.hpp>
 #include <unirl/rollout/flow.hpp>
 
 // logprob_reduction, step_coefficients and SamplerFor: concepts/flow_sampler.hpp.
 
 template <>
-inline constexpr std::array unirl::enum_names<unirl::rollout::logprob_reduction>{std::string_view{"mean"},
+inline constexpr std::array unirl::enum_names<unirl::logprob_reduction>{std::string_view{"mean"},
                                                                                 std::string_view{"sum"}};
 
-namespace unirl::rollout {
+namespace unirl {
 
 /// Options of the built-in flow-track samplers (each one's `options`); each reads the fields it
 /// documents. A sampler of one's own carries its own `options` type, which the flow algorithms'
@@ -66,12 +76,12 @@ struct flow_sampler_options {
   }
 };
 
-}  // namespace unirl::rollout
+}  // namespace unirl
 
-BOOST_HANA_ADAPT_STRUCT(unirl::rollout::flow_sampler_options, steps, noise_level, dance_eta, ddim_eta, shift,
+BOOST_HANA_ADAPT_STRUCT(unirl::flow_sampler_options, steps, noise_level, dance_eta, ddim_eta, shift,
                         reduction);
 
-namespace unirl::rollout {
+namespace unirl {
 
 /// One evaluated step: the Gaussian's mean (B, S...) and its standard deviation.
 struct gaussian_step {
@@ -80,7 +90,7 @@ struct gaussian_step {
 };
 
 /// Scalar maths of the samplers, shared by the tensor code here and any kernel.
-namespace math {
+namespace flow_math {
 inline constexpr double pi = 3.14159265358979323846;
 
 /// Flow-GRPO SDE (arXiv 2505.05470): `sigma_t = a sqrt(t/(1-t))` (1 - t_next at t = 1),
@@ -128,7 +138,7 @@ UNIRL_HOST_DEVICE inline double gaussian_log_density(double d, double s) {
 
 /// Shifted flow time (SD3): `s t / (1 + (s - 1) t)`.
 UNIRL_HOST_DEVICE inline double shift_time(double t, double s) { return s * t / (1.0 + (s - 1.0) * t); }
-}  // namespace math
+}  // namespace flow_math
 
 namespace detail {
 inline torch::Tensor reduce_elements(const torch::Tensor& x, logprob_reduction r) {
@@ -140,7 +150,7 @@ inline std::vector<double> flow_grid(std::int64_t steps, double shift) {
   std::vector<double> ts(static_cast<std::size_t>(steps) + 1);
   for (std::int64_t k = 0; k <= steps; ++k)
     ts[static_cast<std::size_t>(k)] =
-        math::shift_time(1.0 - static_cast<double>(k) / static_cast<double>(steps), shift);
+        flow_math::shift_time(1.0 - static_cast<double>(k) / static_cast<double>(steps), shift);
   ts.back() = 0.0;
   return ts;
 }
@@ -167,7 +177,7 @@ namespace ode {
 struct euler : detail::velocity_sampler_base {
   explicit euler(const flow_sampler_options& o = {}) : velocity_sampler_base(o) {}
   template <class M>
-  step_coefficients coefficients(M&, double t, double t_next) const { return math::euler(t, t_next); }
+  step_coefficients coefficients(M&, double t, double t_next) const { return flow_math::euler(t, t_next); }
 };
 }  // namespace ode
 
@@ -178,7 +188,7 @@ struct flow_grpo : detail::velocity_sampler_base {
   explicit flow_grpo(const flow_sampler_options& o = {}) : velocity_sampler_base(o) {}
   template <class M>
   step_coefficients coefficients(M&, double t, double t_next) const {
-    return math::flow_grpo(t, t_next, opts.noise_level);
+    return flow_math::flow_grpo(t, t_next, opts.noise_level);
   }
 };
 
@@ -189,14 +199,14 @@ struct flow_grpo : detail::velocity_sampler_base {
 struct cps : detail::velocity_sampler_base {
   explicit cps(const flow_sampler_options& o = {}) : velocity_sampler_base(o) {}
   template <class M>
-  step_coefficients coefficients(M&, double t, double t_next) const { return math::cps(t, t_next, opts.noise_level); }
+  step_coefficients coefficients(M&, double t, double t_next) const { return flow_math::cps(t, t_next, opts.noise_level); }
 };
 
 /// DanceGRPO's SDE (`dance_eta` = eta).
 struct dance : detail::velocity_sampler_base {
   explicit dance(const flow_sampler_options& o = {}) : velocity_sampler_base(o) {}
   template <class M>
-  step_coefficients coefficients(M&, double t, double t_next) const { return math::dance(t, t_next, opts.dance_eta); }
+  step_coefficients coefficients(M&, double t, double t_next) const { return flow_math::dance(t, t_next, opts.dance_eta); }
 };
 
 /// DDIM with eta for noise-prediction (DDPM) models. Timesteps are indices
@@ -225,43 +235,87 @@ struct ddim {
     const auto abar = m.alphas_cumprod();
     const double a = abar[static_cast<std::int64_t>(t)].template item<double>();
     const double an = t_next < 0 ? 1.0 : abar[static_cast<std::int64_t>(t_next)].template item<double>();
-    return math::ddim(a, an, opts.ddim_eta);
+    return flow_math::ddim(a, an, opts.ddim_eta);
   }
   logprob_reduction reduction() const { return opts.reduction; }
 };
 }  // namespace sde
 
-/// Per-sample Gaussian log-prob (B,) of `x_next` under N(mean, std^2), reduced over elements;
-/// zeros for a deterministic step (std = 0).
-inline torch::Tensor gaussian_log_prob(const torch::Tensor& x_next, const torch::Tensor& mean, double std,
-                                       logprob_reduction r = logprob_reduction::mean) {
+/// Per-sample Gaussian log-prob (B,) of `x_next` under N(mean, std^2), reduced over elements:
+/// `reduce_el [-(x' - mean)^2 / (2 std^2) - log std - log(2 pi) / 2]`, in the mean's dtype; zeros
+/// for a deterministic step (std = 0). `x_next` is a constant (the stored state).
+template <ExecutionPolicy Exec = exec::automatic>
+torch::Tensor gaussian_log_prob(const torch::Tensor& x_next, const torch::Tensor& mean, double std,
+                                logprob_reduction r = logprob_reduction::mean) {
+  UNIRL_CHECK(x_next.defined() && mean.defined() && x_next.sizes() == mean.sizes(), "gaussian_log_prob: x_next sizes ",
+              x_next.defined() ? x_next.sizes() : c10::IntArrayRef{}, " differ from the mean's ",
+              mean.defined() ? mean.sizes() : c10::IntArrayRef{});
+  UNIRL_CHECK(mean.dim() >= 1 && mean.is_floating_point(), "gaussian_log_prob: the mean must be a floating (B, S...) "
+              "tensor, got ", mean.sizes(), " ", mean.dtype());
   if (!(std > 0.0)) return torch::zeros({mean.size(0)}, mean.options());
-  const auto lp = -(x_next.detach() - mean).pow(2) / (2.0 * std * std) - (std::log(std) + 0.5 * std::log(2.0 * math::pi));
-  return detail::reduce_elements(lp, r);
+  return exec::dispatch<Exec>(mean, [&] {
+    const auto d = x_next.detach().to(mean.scalar_type()) - mean;
+    const auto lp = -d.square() / (2.0 * std * std) - (std::log(std) + 0.5 * std::log(2.0 * flow_math::pi));
+    return detail::reduce_elements(lp, r);
+  });
 }
 
 /// Closed-form KL (B,) between N(mean_a, std^2) and N(mean_b, std^2): `(mean_a - mean_b)^2 / (2 std^2)`,
-/// reduced over elements like the log-prob; zeros for a deterministic step.
-inline torch::Tensor gaussian_kl(const torch::Tensor& mean_a, const torch::Tensor& mean_b, double std,
-                                 logprob_reduction r = logprob_reduction::mean) {
+/// reduced over elements like the log-prob, in mean_a's dtype; zeros for a deterministic step.
+template <ExecutionPolicy Exec = exec::automatic>
+torch::Tensor gaussian_kl(const torch::Tensor& mean_a, const torch::Tensor& mean_b, double std,
+                          logprob_reduction r = logprob_reduction::mean) {
+  UNIRL_CHECK(mean_a.defined() && mean_b.defined() && mean_a.sizes() == mean_b.sizes(), "gaussian_kl: mean sizes ",
+              mean_a.defined() ? mean_a.sizes() : c10::IntArrayRef{}, " and ",
+              mean_b.defined() ? mean_b.sizes() : c10::IntArrayRef{}, " differ");
+  UNIRL_CHECK(mean_a.dim() >= 1 && mean_a.is_floating_point(), "gaussian_kl: the means must be floating (B, S...) "
+              "tensors, got ", mean_a.sizes(), " ", mean_a.dtype());
   if (!(std > 0.0)) return torch::zeros({mean_a.size(0)}, mean_a.options());
-  return detail::reduce_elements((mean_a - mean_b).pow(2) / (2.0 * std * std), r);
+  return exec::dispatch<Exec>(mean_a, [&] {
+    return detail::reduce_elements((mean_a - mean_b.to(mean_a.scalar_type())).square() / (2.0 * std * std), r);
+  });
 }
 
-/// Evaluates one step of `sampler` at state `x` (B, S...) from time `t` to `t_next`.
-template <class S, class M>
+/// Evaluates one step of `sampler` at state `x` (B, S...) from time `t` to `t_next`:
+/// `mean = cx x + cm model(x, t, cond)` in the model output's dtype (reference: two scaled
+/// tensors and their sum; CPU: `add(cx x, out, alpha = cm)`, one multiply-add kernel).
+template <ExecutionPolicy Exec = exec::automatic, class S, class M>
   requires SamplerFor<S, M>
 gaussian_step denoise_step(const S& sampler, M& model, const torch::Tensor& x, double t, double t_next,
                            const torch::Tensor& cond) {
   const auto c = sampler.coefficients(model, t, t_next);
   const auto out = sampler.predict(model, x, t, cond);
-  return {c.cx * x + c.cm * out, c.std};
+  const auto xs = x.to(out.scalar_type());
+  return {exec::dispatch<Exec>(
+              out, [&] { return c.cx * xs + c.cm * out; }, [&] { return torch::add(xs * c.cx, out, c.cm); }),
+          c.std};
 }
+
+namespace detail {
+/// The floating type of a trajectory drawn without given noise: the model's (`dtype()`, else its
+/// first floating parameter), else the conditions' when they are floating embeddings, else
+/// LibTorch's default dtype.
+template <class M>
+torch::ScalarType sample_dtype(M& model, const torch::Tensor& cond) {
+  if constexpr (requires {
+                  { model.dtype() } -> std::convertible_to<torch::ScalarType>;
+                }) {
+    return model.dtype();
+  } else {
+    if constexpr (requires { model.parameters(); })
+      for (const auto& p : model.parameters())
+        if (p.defined() && p.is_floating_point()) return p.scalar_type();
+    if (cond.is_floating_point()) return cond.scalar_type();
+    return c10::typeMetaToScalarType(torch::get_default_dtype());
+  }
+}
+}  // namespace detail
 
 /// Runs `sampler` from noise to samples for every condition in `cond` ((B,) labels or (B, D)),
 /// without gradients, recording the trajectory, means, stds and log-probs. `noise` (B, S...)
-/// fixes the initial state (evaluation with common random numbers); by default it is drawn.
-template <class S, class M>
+/// fixes the initial state (evaluation with common random numbers) and its floating type; by
+/// default it is drawn in the model's floating type (`detail::sample_dtype`).
+template <ExecutionPolicy Exec = exec::automatic, class S, class M>
   requires SamplerFor<S, M>
 flow_rollout sample_trajectory(const S& sampler, M& model, const torch::Tensor& cond, const torch::Tensor& noise = {}) {
   torch::NoGradGuard no_grad;
@@ -273,9 +327,11 @@ flow_rollout sample_trajectory(const S& sampler, M& model, const torch::Tensor& 
   if (noise.defined()) {
     UNIRL_CHECK(noise.sizes() == c10::IntArrayRef(shape), "sample_trajectory: noise has sizes ", noise.sizes(),
                 "; expected ", c10::IntArrayRef(shape));
-    x = noise.to(cond.device(), torch::kFloat32);
+    UNIRL_CHECK(noise.is_floating_point(), "sample_trajectory: noise has dtype ", noise.dtype(),
+                "; expected a floating type");
+    x = noise.to(cond.device());
   } else {
-    x = torch::randn(shape, torch::TensorOptions().device(cond.device()));
+    x = torch::randn(shape, torch::TensorOptions().dtype(detail::sample_dtype(model, cond)).device(cond.device()));
   }
   const std::vector<double> ts = sampler.timesteps(model);
   const auto K = static_cast<std::int64_t>(ts.size()) - 1;
@@ -283,10 +339,10 @@ flow_rollout sample_trajectory(const S& sampler, M& model, const torch::Tensor& 
   std::vector<torch::Tensor> states{x}, means, logps;
   std::vector<double> stds;
   for (std::int64_t k = 0; k < K; ++k) {
-    const auto st = denoise_step(sampler, model, x, ts[static_cast<std::size_t>(k)],
-                                 ts[static_cast<std::size_t>(k) + 1], cond);
+    const auto st = denoise_step<Exec>(sampler, model, x, ts[static_cast<std::size_t>(k)],
+                                       ts[static_cast<std::size_t>(k) + 1], cond);
     const auto next = st.std > 0.0 ? st.mean + st.std * torch::randn_like(st.mean) : st.mean;
-    logps.push_back(gaussian_log_prob(next, st.mean, st.std, sampler.reduction()));
+    logps.push_back(gaussian_log_prob<Exec>(next, st.mean, st.std, sampler.reduction()));
     means.push_back(st.mean);
     stds.push_back(st.std);
     states.push_back(next);
@@ -310,15 +366,15 @@ struct replayed_step {
   torch::Tensor log_prob;  // (B,)
 };
 
-template <class S, class M>
+template <ExecutionPolicy Exec = exec::automatic, class S, class M>
   requires SamplerFor<S, M>
 replayed_step replay_step(const S& sampler, M& model, const flow_rollout& b, std::int64_t k) {
   UNIRL_CHECK(k >= 0 && k < b.steps(), "replay_step: step ", k, " out of [0, ", b.steps(), ")");
   const auto ts = b.timesteps.select(0, 0).to(torch::kCPU);
   const double t = ts[k].item<double>(), tn = ts[k + 1].item<double>();
-  auto st = denoise_step(sampler, model, b.trajectory.select(1, k), t, tn, b.conditions);
-  auto lp = gaussian_log_prob(b.trajectory.select(1, k + 1), st.mean, st.std, sampler.reduction());
+  auto st = denoise_step<Exec>(sampler, model, b.trajectory.select(1, k), t, tn, b.conditions);
+  auto lp = gaussian_log_prob<Exec>(b.trajectory.select(1, k + 1), st.mean, st.std, sampler.reduction());
   return {std::move(st), std::move(lp)};
 }
 
-}  // namespace unirl::rollout
+}  // namespace unirl

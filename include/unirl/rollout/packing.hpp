@@ -9,11 +9,13 @@
 /// auto d = unirl::rollout::find_distinct_prompts(batch);               // d.ids (U, P), d.inverse (B,)
 /// ```
 /// The names are also reachable as `unirl::models::pack_rollout` etc. (their former home).
+#include <algorithm>
 #include <cstdint>
 
 #include <torch/torch.h>
 
 #include <unirl/core/error.hpp>
+#include <unirl/core/host.hpp>
 #include <unirl/rollout/token.hpp>
 
 namespace unirl::rollout {
@@ -46,7 +48,12 @@ struct packed_rollout {
 inline packed_rollout pack_rollout(const token_rollout& b) {
   const auto P = b.prompt_ids.size(1);
   const auto full_mask = b.full_mask() > 0;  // (B, P+T)
-  UNIRL_CHECK(b.size() == 0 || (b.prompt_mask.sum(1) > 0).all().item<bool>(),
+  // Every sample needs a real prompt token: the host lengths of a sampled batch tell without a read.
+  UNIRL_CHECK(b.size() == 0 ||
+                  (b.has_host_lengths()
+                       ? std::all_of(b.host_prompt_lengths.begin(), b.host_prompt_lengths.end(),
+                                     [](std::int64_t l) { return l > 0; })
+                       : to_host((b.prompt_mask.sum(1) > 0).all()).at(0) != 0.0),
               "pack_rollout: every sample needs at least one real prompt token");
   const auto dev = b.completion_ids.device();
   const auto counts = full_mask.sum(1).to(torch::kInt64);  // (B,) real tokens per sample

@@ -9,6 +9,7 @@
 /// auto stats = trainer.step(in);      // samples group_size completions per prompt
 /// // rewards read the decoded text:   batch.completions[i], batch.references[i]
 /// ```
+#include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <string>
@@ -61,6 +62,13 @@ struct token_rollout {
   std::vector<std::string> prompts{};      // (B) prompt text per sample (empty when not given)
   std::vector<std::string> completions{};  // (B) decoded completion (empty when no decoder)
   std::vector<std::string> references{};   // (B) ground truth of the sample's prompt (or empty)
+  // What the sampler knows on the host without reading the device: the real tokens of each
+  // sample's prompt and completion (a stop token included). They describe the masks as the
+  // sampler lays them out (prompts left-padded, completions right-padded, real tokens contiguous)
+  // and let `trimmed()` and the shared-prompt layout skip a device read; empty when unknown (a
+  // batch built by hand): those then read the masks. Code that edits the masks clears them.
+  std::vector<std::int64_t> host_prompt_lengths{};      // (B) or empty
+  std::vector<std::int64_t> host_completion_lengths{};  // (B) or empty
 
   /// The padded second axes: prompts (left-padded, mask `prompt_mask`) and completions
   /// (right-padded, mask `completion_mask`) with every member aligned with them.
@@ -80,7 +88,15 @@ struct token_rollout {
   /// and the completion columns past the longest completion (`batch::trim`). Per-token results on
   /// the kept columns are unchanged (positions count real tokens; padding is never attended), so
   /// a minibatch of short responses costs what its tokens cost. Every other member is kept.
+  /// With the host lengths (a sampled batch) the widths come from them, without a device read;
+  /// otherwise the masks are read once (`batch::trim`).
   token_rollout trimmed() const;
+
+  /// Whether the host lengths describe this batch (one per sample).
+  bool has_host_lengths() const {
+    const auto n = static_cast<std::size_t>(size());
+    return n > 0 && host_prompt_lengths.size() == n && host_completion_lengths.size() == n;
+  }
 
   /// The samples at `index` ((n,) int64), in order (`batch::select`).
   token_rollout select(const torch::Tensor& index) const;
@@ -89,11 +105,21 @@ struct token_rollout {
 }  // namespace unirl
 
 BOOST_HANA_ADAPT_STRUCT(unirl::token_rollout, prompt_ids, prompt_mask, completion_ids, completion_mask, old_logp,
-                        ref_logp, values, returns, advantages, prompt_index, prompts, completions, references);
+                        ref_logp, values, returns, advantages, prompt_index, prompts, completions, references,
+                        host_prompt_lengths, host_completion_lengths);
 
 namespace unirl {
 
-inline token_rollout token_rollout::trimmed() const { return batch::trim(*this); }
+inline token_rollout token_rollout::trimmed() const {
+  if (!has_host_lengths() || !prompt_mask.defined() || !completion_mask.defined()) return batch::trim(*this);
+  // The groups of ragged_columns: prompts (left-padded), then completions (right-padded); at
+  // least one column of each stays, as in batch::trim.
+  const auto P = prompt_mask.size(1), T = completion_mask.size(1);
+  std::int64_t lp = 1, lc = 1;
+  for (const auto l : host_prompt_lengths) lp = std::max(lp, l);
+  for (const auto l : host_completion_lengths) lc = std::max(lc, l);
+  return batch::keep_columns(*this, {{{P - std::min(lp, P), P}, {0, std::min(lc, T)}}});
+}
 inline token_rollout token_rollout::select(const torch::Tensor& index) const { return batch::select(*this, index); }
 
 /// Rollouts of possibly different widths one after the other (`batch::concat`): prompts

@@ -24,7 +24,9 @@
 #include <unirl/concepts/causal_lm.hpp>
 #include <unirl/concepts/execution.hpp>
 #include <unirl/core/error.hpp>
+#include <unirl/core/host.hpp>
 #include <unirl/core/options.hpp>
+#include <unirl/core/precision.hpp>
 #include <unirl/exec/policy.hpp>
 #include <unirl/ops/logprob.hpp>
 #include <unirl/rollout/packing.hpp>
@@ -34,7 +36,8 @@ namespace unirl::rollout {
 
 /// Log-probability of `targets` under `logits` and the entropy of each distribution, in one
 /// pass (`ops::token_logprob`: fused loops on CPU, the CUDA kernels when built with them):
-/// logits (..., V), targets (...) int64 -> ((...), (...)) float.
+/// logits (..., V), targets (...) int64 -> ((...), (...)) in `ops::logprob_dtype` of the logits
+/// (float64 logits give float64 results; float32, float16, bfloat16 give float32).
 /// `temperature` divides the logits first (the sampler's distribution).
 template <ExecutionPolicy Exec = exec::automatic>
 std::pair<torch::Tensor, torch::Tensor> token_logprob(const torch::Tensor& logits, const torch::Tensor& targets,
@@ -42,7 +45,8 @@ std::pair<torch::Tensor, torch::Tensor> token_logprob(const torch::Tensor& logit
   UNIRL_CHECK(logits.dim() == targets.dim() + 1, "token_logprob: logits ", logits.sizes(),
               " must have one more dimension than targets ", targets.sizes());
   UNIRL_CHECK(temperature > 0.0, "token_logprob: temperature = ", temperature, ": expected > 0");
-  const auto x = temperature == 1.0 ? logits.to(torch::kFloat) : logits.to(torch::kFloat) / temperature;
+  const auto dtype = ops::logprob_dtype(logits.scalar_type());
+  const auto x = temperature == 1.0 ? logits.to(dtype) : logits.to(dtype) / temperature;
   const auto r = ops::token_logprob<Exec>(x.reshape({-1, x.size(-1)}), targets.reshape({-1}).to(torch::kInt64));
   return {r.logp.view(targets.sizes()), with_entropy ? r.entropy.view(targets.sizes()) : torch::Tensor()};
 }
@@ -53,11 +57,12 @@ inline std::int64_t lm_head_chunk_rows(std::int64_t vocab) {
 }
 
 /// Whether the update's log-probs take the hidden states of `model`: a `HiddenStateCausalLM` with
-/// float weights (other dtypes keep the materialised logits, upcast to float).
+/// float32 or float64 weights (other dtypes keep the materialised logits, upcast to float32).
 template <CausalLM M>
 bool uses_hidden_states(const M& model) {
   if constexpr (HiddenStateCausalLM<M>) {
-    return model.lm_head_weight().scalar_type() == torch::kFloat;
+    const auto t = model.lm_head_weight().scalar_type();
+    return t == torch::kFloat || t == torch::kDouble;
   } else {
     return false;
   }
@@ -65,14 +70,16 @@ bool uses_hidden_states(const M& model) {
 
 /// `token_logprob(hidden @ weight^T, targets, temperature)` without the logits: the LM head and
 /// the log-softmax run `chunk` rows at a time (0: `lm_head_chunk_rows(V)`; `ops::linear_logprob`),
-/// forward and backward. hidden (..., D), weight (V, D), targets (...) int64 -> ((...), (...)) float.
+/// forward and backward. hidden (..., D), weight (V, D), targets (...) int64 -> ((...), (...)) in
+/// the hidden states' floating type.
 inline std::pair<torch::Tensor, torch::Tensor> head_logprob(const torch::Tensor& hidden, const torch::Tensor& weight,
                                                             const torch::Tensor& targets, double temperature = 1.0,
                                                             bool with_entropy = true, std::int64_t chunk = 0) {
   UNIRL_CHECK(hidden.dim() == targets.dim() + 1, "head_logprob: hidden ", hidden.sizes(),
               " must have one more dimension than targets ", targets.sizes());
   UNIRL_CHECK(temperature > 0.0, "head_logprob: temperature = ", temperature, ": expected > 0");
-  const auto h = temperature == 1.0 ? hidden : hidden / temperature;  // (h W^T) / t = (h / t) W^T
+  const auto h32 = upcast(hidden);  // the head and log-softmax in float32 (under autocast too)
+  const auto h = temperature == 1.0 ? h32 : h32 / temperature;  // (h W^T) / t = (h / t) W^T
   const auto r = ops::linear_logprob(h.reshape({-1, h.size(-1)}), weight, targets.reshape({-1}).to(torch::kInt64),
                                      chunk > 0 ? chunk : lm_head_chunk_rows(weight.size(0)));
   return {r.logp.view(targets.sizes()), with_entropy ? r.entropy.view(targets.sizes()) : torch::Tensor()};
@@ -117,6 +124,17 @@ std::pair<torch::Tensor, torch::Tensor> packed_completion_logprob(const M& model
   return {p.unpack(logp), with_entropy ? p.unpack(ent) : torch::Tensor{}};
 }
 
+/// Whether every prompt row of `b` ends with a real token (its last prompt column is real): from
+/// the host lengths of a sampled batch (left-padded prompts of at least one token) without a
+/// device read, else one read of that column.
+inline bool prompts_end_with_real_tokens(const token_rollout& b) {
+  if (b.prompt_mask.size(1) == 0) return false;
+  if (b.has_host_lengths())
+    return std::all_of(b.host_prompt_lengths.begin(), b.host_prompt_lengths.end(),
+                       [](std::int64_t l) { return l > 0; });
+  return to_host((b.prompt_mask.select(1, b.prompt_mask.size(1) - 1) > 0).all()).at(0) != 0.0;
+}
+
 /// `completion_logprob` with prefix sharing: each distinct prompt runs once through the model,
 /// and every completion attends to its prompt's keys and values through the cache
 /// (`select_cache`), so a group of G samples costs one prompt forward instead of G. Same (B, T)
@@ -127,7 +145,7 @@ std::pair<torch::Tensor, torch::Tensor> shared_prompt_completion_logprob(const M
                                                                          double temperature = 1.0,
                                                                          bool with_entropy = true) {
   const auto P = b.prompt_ids.size(1), T = b.completion_ids.size(1);
-  if (b.size() < 2 || P == 0 || T == 0 || !(b.prompt_mask.select(1, P - 1) > 0).all().item<bool>())
+  if (b.size() < 2 || P == 0 || T == 0 || !prompts_end_with_real_tokens(b))
     return completion_logprob<Exec>(model, b, temperature, with_entropy);
   const auto d = find_distinct_prompts(b);
   if (d.count() == b.size()) return completion_logprob<Exec>(model, b, temperature, with_entropy);

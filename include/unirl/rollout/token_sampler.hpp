@@ -14,6 +14,7 @@
 #include <concepts>
 #include <cstdint>
 #include <limits>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -21,6 +22,7 @@
 
 #include <unirl/concepts/causal_lm.hpp>
 #include <unirl/core/error.hpp>
+#include <unirl/core/host.hpp>
 #include <unirl/rollout/sampling.hpp>
 #include <unirl/rollout/token.hpp>
 
@@ -70,12 +72,25 @@ inline std::pair<torch::Tensor, torch::Tensor> pad_prompts(const prompt_batch& i
   return {ids, mask};
 }
 
+/// With stop tokens, the tokens the sampler decodes between two reads of whether every sequence
+/// has stopped (one host synchronisation each; a batch that stopped meanwhile decodes at most
+/// this many - 1 steps more, all masked). The completions are the same for any interval.
+inline constexpr std::int64_t stop_check_interval = 8;
+
 /// Samples `group_size` completions per prompt with the KV cache. Call under `torch::NoGradGuard`.
 /// With a `PrefixSharingCausalLM` each prompt is prefilled once and its cache rows are shared by
 /// the group's samples.
 /// Completions stop at a stop token (kept, masked 1) or at `max_new_tokens`; afterwards slots hold
 /// `pad_id` with mask 0. `completions` holds the decoded text without stop tokens when the input
 /// has a decoder; `prompts` and `references` are copied per sample.
+///
+/// Host synchronisations: none without stop tokens and decoder (inside a `deferred_checks` scope,
+/// as in the trainer's step); with stop tokens one per `stop_check_interval` tokens, the last of
+/// which also reads the completion lengths and, with a decoder, the tokens (one read at the end
+/// when a decoder needs the tokens and no stop token is set). The draw is `torch::multinomial`'s
+/// own (argmax of p / q, q ~ Exp(1): the same samples from the same generator) without its
+/// validation reads; a distribution holding NaN (a model with non-finite logits) is reported as
+/// an error by a check deferred to the caller's next read (read at the end outside such a scope).
 template <CausalLM M>
 token_rollout sample_tokens(const M& model, const prompt_batch& in, std::int64_t group_size, const sampling_options& s,
                             torch::Device device = torch::kCPU) {
@@ -85,8 +100,9 @@ token_rollout sample_tokens(const M& model, const prompt_batch& in, std::int64_t
   UNIRL_CHECK(in.references.empty() || in.references.size() == in.tokens.size(), "sample_tokens: ",
               in.references.size(), " references for ", in.tokens.size(), " prompts");
   auto [pids, pmask] = pad_prompts(in, group_size);
-  pids = pids.to(device);
-  pmask = pmask.to(device);
+  // Host-made tensors go to the device without waiting for it.
+  pids = pids.to(device, /*non_blocking=*/true);
+  pmask = pmask.to(device, /*non_blocking=*/true);
   const auto B = pids.size(0), P = pids.size(1), T = s.max_new_tokens;
 
   // The prompt's last logits (b, V). A model with hidden states runs its LM head on that
@@ -117,27 +133,55 @@ token_rollout sample_tokens(const M& model, const prompt_batch& in, std::int64_t
   auto [logits, cache] = prefill();  // (B, V), the cache after the prompts
   auto ids = torch::full({B, T}, in.pad_id, torch::TensorOptions(torch::kInt64).device(device));
   auto mask = torch::zeros({B, T}, torch::TensorOptions(torch::kFloat).device(device));
-  auto logp = torch::zeros({B, T}, torch::TensorOptions(torch::kFloat).device(device));
+  // Log-probs in the logits' precision: float64 stays float64, other types float32.
+  const auto lp_dtype = logits.scalar_type() == torch::kDouble ? torch::kDouble : torch::kFloat;
+  auto logp = torch::zeros({B, T}, torch::TensorOptions(lp_dtype).device(device));
   auto alive = torch::ones({B}, torch::TensorOptions(torch::kBool).device(device));
   torch::Tensor stops;
   if (!s.stop_tokens.empty())
-    stops = torch::tensor(s.stop_tokens, torch::kInt64).to(device);
+    stops = torch::tensor(s.stop_tokens, torch::kInt64).to(device, /*non_blocking=*/true);
+  auto no_nan = torch::ones({}, torch::TensorOptions(torch::kBool).device(device));  // every distribution drawn from
   std::int64_t produced = 0;
   for (std::int64_t t = 0; t < T; ++t) {
-    const auto scaled = logits.to(torch::kFloat) / s.temperature;
+    const auto scaled = logits.to(lp_dtype) / s.temperature;
     const auto lsm = torch::log_softmax(scaled, -1);
     const auto probs = torch::softmax(filter_logits(scaled, s.top_k, s.top_p), -1);
-    auto next = torch::multinomial(probs, 1).squeeze(1);  // (B,)
+    no_nan = no_nan & probs.isnan().any().logical_not();
+    // torch::multinomial(probs, 1)'s draw, without its two validation reads per call.
+    auto next = probs.div(torch::empty_like(probs).exponential_(1)).argmax(-1);  // (B,)
     next = torch::where(alive, next, torch::full_like(next, in.pad_id));
     ids.select(1, t).copy_(next);
     mask.select(1, t).copy_(alive.to(torch::kFloat));
-    logp.select(1, t).copy_(torch::where(alive, lsm.gather(1, next.unsqueeze(1)).squeeze(1), torch::zeros_like(next, torch::kFloat)));
+    logp.select(1, t).copy_(torch::where(alive, lsm.gather(1, next.unsqueeze(1)).squeeze(1), torch::zeros_like(next, lp_dtype)));
     produced = t + 1;
     if (stops.defined()) alive = alive & torch::isin(next, stops).logical_not();
-    if (!alive.any().item<bool>() || t + 1 == T) break;
+    if (t + 1 == T) break;
+    if (stops.defined() && (t + 1) % stop_check_interval == 0 && to_host(alive.any()).at(0) == 0.0) break;
     logits = model.logits_cached(next.unsqueeze(1), alive.to(torch::kFloat).unsqueeze(1), cache).select(1, 0);
   }
   // A completion's own stop token stays real, while slots after it were fed with mask 0.
+
+  // One read at the end when something is needed on the host: the completion lengths (with stop
+  // tokens; the width is the longest), the tokens (a decoder), the NaN check (outside a deferred
+  // scope). Without stop tokens every sample has `produced` tokens.
+  const std::string nan_message = "sample_tokens: a next-token distribution holds NaN (the model's logits are not "
+                                  "finite); expected finite logits";
+  auto* deferred = deferred_checks::current();
+  if (deferred) deferred->add(no_nan, {}, [nan_message](const std::vector<double>&) { return nan_message; });
+  std::vector<torch::Tensor> parts;
+  if (!deferred) parts.push_back(no_nan.to(torch::kFloat64).reshape({1}));
+  if (stops.defined()) parts.push_back(mask.slice(1, 0, produced).sum(1).to(torch::kFloat64));
+  if (in.decode) parts.push_back(ids.slice(1, 0, produced).reshape({-1}).to(torch::kFloat64));
+  std::vector<double> read;
+  if (!parts.empty()) read = to_host(torch::cat(parts));
+  std::size_t at = 0;
+  if (!deferred) UNIRL_CHECK(read.at(at++) != 0.0, nan_message);
+  std::vector<std::int64_t> lengths(static_cast<std::size_t>(B), produced);
+  if (stops.defined())
+    for (auto& l : lengths) l = static_cast<std::int64_t>(read.at(at++));
+  // The tokens (with a decoder): sample b's token t is read[at + b * stride + t].
+  const std::int64_t stride = produced;
+  produced = *std::max_element(lengths.begin(), lengths.end());  // every sample has its first token
 
   token_rollout r;
   r.prompt_ids = pids;
@@ -146,22 +190,18 @@ token_rollout sample_tokens(const M& model, const prompt_batch& in, std::int64_t
   r.completion_mask = mask.slice(1, 0, produced).contiguous();
   r.old_logp = logp.slice(1, 0, produced).contiguous();
   r.prompt_index = torch::arange(B, torch::TensorOptions(torch::kInt64).device(device)).div(group_size, "floor");
-  const auto n_prompts = static_cast<std::size_t>(in.size());
   for (std::int64_t b = 0; b < B; ++b) {
     const auto p = static_cast<std::size_t>(b / group_size);
     if (!in.texts.empty()) r.prompts.push_back(in.texts[p]);
     if (!in.references.empty()) r.references.push_back(in.references[p]);
+    r.host_prompt_lengths.push_back(static_cast<std::int64_t>(in.tokens[p].size()));
   }
-  (void)n_prompts;
+  r.host_completion_lengths = lengths;
   if (in.decode) {
-    const auto hid = r.completion_ids.to(torch::kCPU), hm = r.completion_mask.to(torch::kCPU);
-    const auto* pi = hid.data_ptr<std::int64_t>();
-    const auto* pm = hm.data_ptr<float>();
     for (std::int64_t b = 0; b < B; ++b) {
       std::vector<std::int64_t> toks;
-      for (std::int64_t t = 0; t < produced; ++t) {
-        if (pm[b * produced + t] == 0.f) break;
-        const auto v = pi[b * produced + t];
+      for (std::int64_t t = 0; t < lengths[static_cast<std::size_t>(b)]; ++t) {
+        const auto v = static_cast<std::int64_t>(read.at(at + static_cast<std::size_t>(b * stride + t)));
         if (std::find(s.stop_tokens.begin(), s.stop_tokens.end(), v) != s.stop_tokens.end()) break;
         toks.push_back(v);
       }

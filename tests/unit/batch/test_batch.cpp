@@ -259,7 +259,7 @@ TEST_CASE("env_rollout and flow_rollout: rows selected and concatenated, the (T,
   CHECK(moved.next_value.device().type() == torch::kMeta);  // layout tensors move with the batch
   CHECK(moved.num_steps == 2);
 
-  unirl::rollout::flow_rollout f;
+  unirl::flow_rollout f;
   f.conditions = torch::tensor({3, 4, 5}, torch::kInt64);
   f.trajectory = torch::arange(3 * 3 * 2, torch::kFloat).reshape({3, 3, 2});  // K = 2 steps, S = (2,)
   f.means = torch::arange(3 * 2 * 2, torch::kFloat).reshape({3, 2, 2});
@@ -270,7 +270,7 @@ TEST_CASE("env_rollout and flow_rollout: rows selected and concatenated, the (T,
   CHECK(same(fs.conditions, torch::tensor({5, 3}, torch::kInt64)));
   CHECK(same(fs.trajectory, torch::stack({f.trajectory[2], f.trajectory[0]})));
   CHECK_FALSE(fs.advantages.defined());
-  const auto fc = unirl::batch::concat(std::vector<unirl::rollout::flow_rollout>{fs, f});
+  const auto fc = unirl::batch::concat(std::vector<unirl::flow_rollout>{fs, f});
   CHECK(same(fc.means, torch::stack({f.means[2], f.means[0], f.means[0], f.means[1], f.means[2]})));
   CHECK(fc.steps() == 2);
 }

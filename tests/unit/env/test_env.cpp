@@ -2,6 +2,7 @@
 // (auto-reset, episode statistics, action clipping, normalisation), the actor-critic policies,
 // rollout collection, PPO's env-track stages, a short CartPole training run, and checkpoints that
 // carry the environments with the model (bit-identical resume).
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <filesystem>
@@ -9,6 +10,7 @@
 #include <limits>
 #include <random>
 #include <string>
+#include <type_traits>
 #include <numbers>
 #include <utility>
 #include <vector>
@@ -765,4 +767,158 @@ TEST_CASE("trainer.load refuses a checkpoint saved with another number of extras
   u.load(dir.file("with.pt"), venv2);
   CHECK(venv2.options().seed == 1);
   require_same_state(venv, venv2);
+}
+
+TEST_CASE("float64 end to end: a PPO step on a float64 actor-critic keeps float64 and gives the hand-computed loss",
+          "[cpu][env][f64]") {
+  torch::manual_seed(11);
+  using policy_t = unirl::models::categorical_actor_critic;
+  policy_t pi(4, 2);
+  pi.net()->to(torch::kDouble);
+  unirl::model_set<policy_t> models{std::move(pi)};
+  vector_env<cartpole> venv(cartpole(4), {.num_envs = 2, .seed = 3});
+  // Defaults otherwise: clip 0.2, value_clip 0.2, vf_coef 0.5, ent_coef 0.01, norm_adv, token_mean.
+  env_ppo algo({.gamma = 0.9, .lambda = 0.8, .track = {.rollout_steps = 5}});
+  const unirl::step_info info{0, 1};
+  auto batch = algo.sample(models, venv, info);
+  REQUIRE(batch.logprobs.scalar_type() == torch::kDouble);
+  REQUIRE(batch.values.scalar_type() == torch::kDouble);
+  REQUIRE(batch.next_value.scalar_type() == torch::kDouble);
+  const auto rewards = unirl::rewards::environment_reward{}(batch);  // float32, from the environment
+  const auto adv = algo.advantage(models, batch, rewards, info);
+  REQUIRE(adv.scalar_type() == torch::kDouble);
+  REQUIRE(batch.returns.scalar_type() == torch::kDouble);
+
+  // GAE by hand (CleanRL's loop) in doubles over the (5, 2) layout.
+  std::vector<double> a_hand(10), ret_hand(10);
+  for (int n = 0; n < 2; ++n) {
+    double last = 0;
+    for (int t = 4; t >= 0; --t) {
+      const double nv = t == 4 ? batch.next_value[n].item<double>() : batch.values[(t + 1) * 2 + n].item<double>();
+      const double nd = t == 4 ? batch.next_done[n].item<double>() : batch.dones[(t + 1) * 2 + n].item<double>();
+      const double v = batch.values[t * 2 + n].item<double>();
+      last = rewards[t * 2 + n].item<double>() + 0.9 * nv * (1 - nd) - v + 0.9 * 0.8 * (1 - nd) * last;
+      a_hand[static_cast<std::size_t>(t * 2 + n)] = last;
+      ret_hand[static_cast<std::size_t>(t * 2 + n)] = last + v;
+    }
+  }
+  CHECK((adv - torch::tensor(a_hand, torch::kDouble)).abs().max().item<double>() <= 1e-12);
+  CHECK((batch.returns - torch::tensor(ret_hand, torch::kDouble)).abs().max().item<double>() <= 1e-12);
+
+  {  // move the policy off pi_old so that the clips matter
+    torch::NoGradGuard ng;
+    for (auto& p : models.policy.parameters()) p.add_(0.3 * torch::randn_like(p));
+  }
+  const auto terms = algo.loss(models, batch, info);
+  REQUIRE(terms.total.scalar_type() == torch::kDouble);
+  {
+    // The loss by hand: log-probs, values and entropies under the new weights from the model, then
+    // whitening, the clipped surrogate, the clipped value loss and the entropy bonus in plain doubles.
+    torch::NoGradGuard ng;
+    const auto e = models.policy.evaluate(batch.obs, batch.actions);
+    REQUIRE(e.logp.scalar_type() == torch::kDouble);
+    double mean = 0, var = 0;
+    for (double a : a_hand) mean += a / 10;
+    for (double a : a_hand) var += (a - mean) * (a - mean) / 9;
+    double pg = 0, vl = 0, ent = 0;
+    for (std::int64_t i = 0; i < 10; ++i) {
+      const double A = (a_hand[static_cast<std::size_t>(i)] - mean) / (std::sqrt(var) + 1e-8);
+      const double rho = std::exp(e.logp[i].item<double>() - batch.logprobs[i].item<double>());
+      pg += std::max(-A * rho, -A * std::clamp(rho, 0.8, 1.2)) / 10;
+      const double V = e.value[i].item<double>(), Vo = batch.values[i].item<double>();
+      const double R = ret_hand[static_cast<std::size_t>(i)];
+      const double Vc = Vo + std::clamp(V - Vo, -0.2, 0.2);
+      vl += 0.5 * std::max((V - R) * (V - R), (Vc - R) * (Vc - R)) / 10;
+      ent += e.entropy[i].item<double>() / 10;
+    }
+    CHECK(terms.policy == Approx(pg).margin(1e-12));
+    CHECK(terms.value == Approx(vl).margin(1e-12));
+    CHECK(terms.entropy == Approx(ent).margin(1e-12));
+    CHECK(terms.total.item<double>() == Approx(pg + 0.5 * vl - 0.01 * ent).margin(1e-12));
+    CHECK(terms.clip_fraction > 0.0);
+  }
+
+  // A whole trainer step on a float64 actor-critic: the weights stay float64, the figures are finite.
+  torch::manual_seed(12);
+  policy_t pi2(4, 2);
+  pi2.net()->to(torch::kDouble);
+  vector_env<cartpole> venv2({}, {.num_envs = 2, .seed = 4});
+  unirl::trainer<policy_t, unirl::algo::ppo<>, unirl::rewards::environment_reward> tr{
+      std::move(pi2), {}, {.algorithm = {.track = {.rollout_steps = 8}}, .minibatches = 2, .seed = 1, .progress = false}};
+  const auto s = tr.step(venv2);
+  CHECK(std::isfinite(s.loss));
+  CHECK(s.optimizer_steps == 2);
+  for (const auto& p : tr.models().policy.parameters()) CHECK(p.scalar_type() == torch::kDouble);
+}
+
+TEST_CASE("PPO on the env track: exec::reference through a whole step gives the default policy's losses",
+          "[cpu][env][exec]") {
+  // The same seeds draw the same rollouts; every op the algorithm calls (GAE, the losses) then
+  // runs its reference implementation and must give the default's figures.
+  auto run = [](auto algorithm) {
+    using algo_t = typename decltype(algorithm)::type;
+    using policy_t = unirl::models::categorical_actor_critic;
+    torch::manual_seed(12);
+    vector_env<cartpole> venv(cartpole(4), {.num_envs = 3, .seed = 5});
+    unirl::trainer<policy_t, algo_t, unirl::rewards::environment_reward> t{
+        policy_t(4, 2),
+        {},
+        {.algorithm = {.ent_coef = 0.01, .track = {.rollout_steps = 8}}, .epochs = 2, .minibatches = 2, .seed = 12,
+         .progress = false}};
+    return t.step(venv);
+  };
+  const auto def = run(std::type_identity<unirl::algo::ppo<>>{});
+  const auto ref = run(std::type_identity<unirl::algo::ppo<unirl::exec::reference>>{});
+  CHECK(ref.reward_mean == def.reward_mean);
+  CHECK(ref.optimizer_steps == 4);
+  CHECK(ref.loss == Approx(def.loss).margin(1e-6));
+  CHECK(ref.policy_loss == Approx(def.policy_loss).margin(1e-6));
+  CHECK(ref.value_loss == Approx(def.value_loss).margin(1e-6));
+  CHECK(ref.entropy == Approx(def.entropy).margin(1e-6));
+  CHECK(ref.advantage_mean == Approx(def.advantage_mean).margin(1e-6));
+  CHECK(def.value_loss > 0.0);
+  CHECK(def.entropy > 0.0);
+}
+
+TEST_CASE("gradient accumulation and bf16 on the env track: PPO micro-batches give the whole minibatch's update",
+          "[cpu][env][accumulation][precision]") {
+  torch::set_num_threads(1);
+  using policy_t = unirl::models::categorical_actor_critic;
+  using trainer_t = unirl::trainer<policy_t, unirl::algo::ppo<>, unirl::rewards::environment_reward>;
+  torch::manual_seed(12);
+  const policy_t init(4, 2);
+  auto weights = [](const policy_t& m) {
+    std::vector<torch::Tensor> w;
+    for (const auto& p : m.parameters()) w.push_back(p.detach().clone());
+    return w;
+  };
+  auto diff = [](const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {
+    double d = 0;
+    for (std::size_t i = 0; i < a.size(); ++i) d = std::max(d, (a[i] - b[i]).abs().max().item<double>());
+    return d;
+  };
+  // 16 steps x 4 envs = 64 transitions; advantages whitened over the minibatch (norm_adv).
+  auto run = [&](std::int64_t micro, unirl::precision p) {
+    vector_env<cartpole> venv({}, {.num_envs = 4, .seed = 3});
+    trainer_t t{init.clone(), {},
+                {.algorithm = {.track = {.rollout_steps = 16}}, .optim = {.lr = 1e6, .eps = 1e6}, .precision = p,
+                 .micro_batch_size = micro, .seed = 1, .progress = false}};
+    const auto s = t.step(venv);
+    for (const auto& q : t.models().policy.parameters()) CHECK(q.scalar_type() == torch::kFloat);
+    return std::pair{s, weights(t.models().policy)};
+  };
+  const auto [full, w_full] = run(0, unirl::precision::fp32);
+  const double moved = diff(w_full, weights(init));
+  REQUIRE(moved > 1e-4);
+  for (const std::int64_t micro : {1, 10}) {  // 64 = 6 x 10 + 4: unequal micro-batches
+    const auto [acc, w_acc] = run(micro, unirl::precision::fp32);
+    CHECK(acc.loss == Approx(full.loss).epsilon(1e-5).margin(1e-7));
+    CHECK(acc.value_loss == Approx(full.value_loss).epsilon(1e-5).margin(1e-7));
+    CHECK(acc.grad_norm == Approx(full.grad_norm).epsilon(1e-5));
+    CHECK(diff(w_acc, w_full) <= 1e-4 * moved);
+  }
+  // bf16: the same rollout up to the actions bf16 logits draw; the loss stays close and finite.
+  const auto [half, w_half] = run(0, unirl::precision::bf16);
+  CHECK(std::isfinite(half.loss));
+  CHECK(half.optimizer_steps == 1);
 }

@@ -1,6 +1,8 @@
 // Flow track: samplers with log-probabilities, the flow-track losses, RAM's analytic tilt,
 // DiffusionNFT, the model adapters and nets, and the Fréchet distance.
 #include <cmath>
+#include <initializer_list>
+#include <type_traits>
 #include <numeric>
 #include <vector>
 
@@ -15,13 +17,12 @@
 #include <unirl/eval/frechet.hpp>
 #include <unirl/models/flow.hpp>
 #include <unirl/models/flow_nets.hpp>
+#include <unirl/models/lora.hpp>
 #include <unirl/rollout/flow.hpp>
 #include <unirl/rollout/flow_samplers.hpp>
 #include <unirl/trainer.hpp>
 
 using namespace unirl;
-namespace sde = unirl::rollout::sde;
-namespace ode = unirl::rollout::ode;
 
 namespace {
 
@@ -97,9 +98,9 @@ static_assert(AlgorithmFor<algo::flow_dppo<sde::cps>, gaussian_model>);
 static_assert(AlgorithmFor<algo::ram<>, gaussian_model>);
 static_assert(AlgorithmFor<algo::diffusion_nft<>, gaussian_model>);
 static_assert(SamplesFrom<algo::flow_grpo<>, gaussian_model, torch::Tensor>);
-static_assert(rollout::SamplerFor<sde::ddim, models::ddpm_model<gaussian_eps_net>>);
-static_assert(!rollout::SamplerFor<sde::ddim, gaussian_model>);          // DDIM needs a noise model
-static_assert(!rollout::SamplerFor<sde::flow_grpo, models::ddpm_model<gaussian_eps_net>>);
+static_assert(SamplerFor<sde::ddim, models::ddpm_model<gaussian_eps_net>>);
+static_assert(!SamplerFor<sde::ddim, gaussian_model>);          // DDIM needs a noise model
+static_assert(!SamplerFor<sde::flow_grpo, models::ddpm_model<gaussian_eps_net>>);
 
 torch::Tensor labels(std::int64_t n) { return torch::arange(n, torch::kInt64) % 10; }
 
@@ -111,12 +112,12 @@ models::flow_model<models::mlp_velocity_net> small_mlp_model() {
 
 template <class S, class M>
 void check_replay_exact(const S& sampler, M& model, const torch::Tensor& cond) {
-  const auto b = rollout::sample_trajectory(sampler, model, cond);
+  const auto b = sample_trajectory(sampler, model, cond);
   REQUIRE(b.steps() == sampler.opts.steps);
   torch::NoGradGuard ng;
   int stochastic = 0;
   for (std::int64_t k = 0; k < b.steps(); ++k) {
-    const auto r = rollout::replay_step(sampler, model, b, k);
+    const auto r = replay_step(sampler, model, b, k);
     CHECK(torch::equal(r.step.mean, b.means.select(1, k)));
     CHECK(torch::equal(r.log_prob, b.log_probs.select(1, k)));
     if (r.step.std > 0) ++stochastic;
@@ -132,13 +133,13 @@ TEST_CASE("replaying a stored trajectory reproduces its log-probs exactly", "[fl
   torch::manual_seed(1);
   auto model = small_mlp_model();
   const auto cond = labels(6);
-  const rollout::flow_sampler_options o{.steps = 6};
+  const flow_sampler_options o{.steps = 6};
   SECTION("Flow-GRPO SDE") { check_replay_exact(sde::flow_grpo(o), model, cond); }
   SECTION("CPS") { check_replay_exact(sde::cps(o), model, cond); }
   SECTION("DanceGRPO") { check_replay_exact(sde::dance(o), model, cond); }
   SECTION("sum reduction") {
     auto s = o;
-    s.reduction = rollout::logprob_reduction::sum;
+    s.reduction = logprob_reduction::sum;
     check_replay_exact(sde::flow_grpo(s), model, cond);
   }
   SECTION("DDIM on a DDPM model") {
@@ -163,7 +164,7 @@ TEST_CASE("replaying a stored trajectory reproduces its log-probs exactly", "[fl
   }
   SECTION("a minibatch selected from the batch replays its own rows") {
     sde::flow_grpo s(o);
-    const auto b = rollout::sample_trajectory(s, model, cond);
+    const auto b = sample_trajectory(s, model, cond);
     const auto mb = b.select(torch::tensor({4, 1}, torch::kInt64));
     CHECK(torch::equal(mb.trajectory.select(0, 0), b.trajectory.select(0, 4)));
     CHECK(torch::equal(mb.log_probs.select(0, 1), b.log_probs.select(0, 1)));
@@ -173,25 +174,25 @@ TEST_CASE("replaying a stored trajectory reproduces its log-probs exactly", "[fl
 
 TEST_CASE("sampler coefficients follow the conventions of docs/flow.md", "[flow][cpu]") {
   // Flow-GRPO at t = 0.5 -> 0.25, a = 0.7: sigma = 0.7, k = sigma^2 / (2t) = 0.49, dt = -0.25.
-  const auto f = rollout::math::flow_grpo(0.5, 0.25, 0.7);
+  const auto f = flow_math::flow_grpo(0.5, 0.25, 0.7);
   CHECK(f.cx == Approx(1.0 - 0.49 * 0.25));
   CHECK(f.cm == Approx(-0.25 * (1.0 + 0.49 * 0.5)));
   CHECK(f.std == Approx(0.7 * 0.5));
   // At t = 1 the (1 - t) of sigma becomes 1 - t_next.
-  const auto f1 = rollout::math::flow_grpo(1.0, 0.75, 0.7);
+  const auto f1 = flow_math::flow_grpo(1.0, 0.75, 0.7);
   CHECK(f1.std == Approx(0.7 * std::sqrt(1.0 / 0.25) * 0.5));
   // CPS: std = t_next sin(a pi / 2); mean coefficients from x0_hat = x - t v, x1_hat = x + (1-t) v.
-  const auto c = rollout::math::cps(0.6, 0.4, 0.5);
+  const auto c = flow_math::cps(0.6, 0.4, 0.5);
   const double sd = 0.4 * std::sin(0.25 * M_PI), r = std::sqrt(0.16 - sd * sd);
   CHECK(c.std == Approx(sd));
   CHECK(c.cx == Approx(0.6 + r));
   CHECK(c.cm == Approx(-0.6 * 0.6 + r * 0.4));
-  CHECK(rollout::math::cps(0.2, 0.0, 0.7).std == 0.0);  // last CPS step: deterministic
+  CHECK(flow_math::cps(0.2, 0.0, 0.7).std == 0.0);  // last CPS step: deterministic
   // DanceGRPO: std = eta sqrt(t - t_next).
-  CHECK(rollout::math::dance(0.5, 0.3, 0.3).std == Approx(0.3 * std::sqrt(0.2)));
+  CHECK(flow_math::dance(0.5, 0.3, 0.3).std == Approx(0.3 * std::sqrt(0.2)));
   // DDIM: eta = 0 is deterministic; the last step (abar' = 1) returns x0_hat exactly.
-  CHECK(rollout::math::ddim(0.5, 0.7, 0.0).std == 0.0);
-  const auto last = rollout::math::ddim(0.9, 1.0, 1.0);
+  CHECK(flow_math::ddim(0.5, 0.7, 0.0).std == 0.0);
+  const auto last = flow_math::ddim(0.9, 1.0, 1.0);
   CHECK(last.std == 0.0);
   CHECK(last.cx == Approx(1.0 / std::sqrt(0.9)));
   CHECK(last.cm == Approx(-std::sqrt(0.1) / std::sqrt(0.9)));
@@ -203,18 +204,17 @@ TEST_CASE("Gaussian KL formula equals a Monte Carlo estimate", "[flow][cpu]") {
   const double s = 0.3;
   const auto mu_a = torch::randn({1, d}) * 0.2, mu_b = torch::randn({1, d}) * 0.2;
   const auto x = mu_a + s * torch::randn({n, d});
-  using rollout::logprob_reduction;
-  const auto lpa = rollout::gaussian_log_prob(x, mu_a.expand({n, d}), s, logprob_reduction::sum);
-  const auto lpb = rollout::gaussian_log_prob(x, mu_b.expand({n, d}), s, logprob_reduction::sum);
+  const auto lpa = gaussian_log_prob(x, mu_a.expand({n, d}), s, logprob_reduction::sum);
+  const auto lpb = gaussian_log_prob(x, mu_b.expand({n, d}), s, logprob_reduction::sum);
   const double mc = (lpa - lpb).to(torch::kFloat64).mean().item<double>();
-  const double exact = rollout::gaussian_kl(mu_a, mu_b, s, logprob_reduction::sum).item<double>();
+  const double exact = gaussian_kl(mu_a, mu_b, s, logprob_reduction::sum).item<double>();
   const double se = (lpa - lpb).to(torch::kFloat64).std().item<double>() / std::sqrt(static_cast<double>(n));
   CHECK(std::abs(mc - exact) < 4 * se + 1e-4);
   CHECK(exact == Approx((mu_a - mu_b).pow(2).sum().item<double>() / (2 * s * s)).epsilon(1e-5));
   // The mean reduction is the sum over the d elements divided by d.
-  CHECK(rollout::gaussian_kl(mu_a, mu_b, s).item<double>() == Approx(exact / d).epsilon(1e-5));
+  CHECK(gaussian_kl(mu_a, mu_b, s).item<double>() == Approx(exact / d).epsilon(1e-5));
   // And the log-prob is the Gaussian density (element-wise check).
-  const auto one = rollout::gaussian_log_prob(torch::tensor({{0.5f}}), torch::tensor({{0.1f}}), 0.2,
+  const auto one = gaussian_log_prob(torch::tensor({{0.5f}}), torch::tensor({{0.1f}}), 0.2,
                                               logprob_reduction::sum);
   CHECK(one.item<double>() == Approx(-0.16 / 0.08 - std::log(0.2) - 0.5 * std::log(2 * M_PI)).epsilon(1e-5));
 }
@@ -226,10 +226,10 @@ TEST_CASE("with Gaussian data the SDE samplers match the ODE's mean and variance
   gaussian_model model(gaussian_net(1, mu, s), {1});
   const auto cond = torch::zeros({n}, torch::kInt64);
   auto moments = [&](const auto& sampler) {
-    const torch::Tensor x = rollout::sample_trajectory(sampler, model, cond).samples().to(torch::kFloat64);
+    const torch::Tensor x = sample_trajectory(sampler, model, cond).samples().to(torch::kFloat64);
     return std::pair{x.mean().item<double>(), x.var().item<double>()};
   };
-  const rollout::flow_sampler_options o{.steps = 40};
+  const flow_sampler_options o{.steps = 40};
   const auto [m_ode, v_ode] = moments(ode::euler(o));
   // The ODE with the exact velocity transports N(0, 1) to N(mu, s^2) up to its step error.
   CHECK(m_ode == Approx(mu).margin(0.02));
@@ -265,7 +265,7 @@ TEST_CASE("with Gaussian data the SDE samplers match the ODE's mean and variance
     // 500 of the 1000 timesteps: with fewer, ancestral steps from the posterior mean lose variance.
     models::ddpm_model<gaussian_eps_net> ddpm(gaussian_eps_net(mu, s), {1});
     auto run = [&](double eta) {
-      const auto x = rollout::sample_trajectory(sde::ddim({.steps = 500, .ddim_eta = eta}), ddpm, cond)
+      const auto x = sample_trajectory(sde::ddim({.steps = 500, .ddim_eta = eta}), ddpm, cond)
                          .samples()
                          .to(torch::kFloat64);
       return std::pair{x.mean().item<double>(), x.var().item<double>()};
@@ -292,9 +292,9 @@ double hand_logp(double x_next, double w) {
   return -d * d / (2 * step_std * step_std) - std::log(step_std) - 0.5 * std::log(2 * M_PI);
 }
 
-rollout::flow_rollout hand_rollout(const std::vector<double>& x_next, const std::vector<float>& adv) {
+flow_rollout hand_rollout(const std::vector<double>& x_next, const std::vector<float>& adv) {
   const std::int64_t b = static_cast<std::int64_t>(x_next.size());
-  rollout::flow_rollout r;
+  flow_rollout r;
   r.conditions = torch::zeros({b}, torch::kInt64);
   r.trajectory = torch::zeros({b, 3, 1});
   r.means = torch::zeros({b, 2, 1});
@@ -328,7 +328,7 @@ TEST_CASE("Flow-GRPO loss equals its formula on a hand-made rollout", "[flow][cp
   auto ms = scale_models(w_new, w_old);
   algo::flow_grpo<> a({.clip_range = eps, .beta = beta, .timestep_fraction = 0.5});
   // The step's mean from the sampler matches the hand-worked one.
-  const auto st = rollout::denoise_step(sde::flow_grpo{}, ms.policy, torch::full({1, 1}, kx), 1.0, 0.5,
+  const auto st = denoise_step(sde::flow_grpo{}, ms.policy, torch::full({1, 1}, kx), 1.0, 0.5,
                                         torch::zeros({1}, torch::kInt64));
   CHECK(st.mean.item<double>() == Approx(hand_mean(w_new)).epsilon(1e-6));
   CHECK(st.std == Approx(step_std));
@@ -463,7 +463,7 @@ TEST_CASE("RAM on a Gaussian base with a linear reward moves the mean to the ana
   // the fixed point is N(m c s^2, s^2) = N(0.5, 1) in each dimension (lambda = 1/m).
   struct linear_reward {
     double c;
-    torch::Tensor operator()(const rollout::flow_rollout& b) { return c * b.samples().sum(1); }
+    torch::Tensor operator()(const flow_rollout& b) { return c * b.samples().sum(1); }
   };
   const double c = 0.5, m = 1.0;
   trainer<gaussian_model, algo::ram<>, linear_reward> t(
@@ -496,13 +496,13 @@ TEST_CASE("RAM on a Gaussian base with a linear reward moves the mean to the ana
 TEST_CASE("flow-track algorithms raise a reward through the trainer", "[flow][cpu][slow]") {
   // A small untrained class-conditional MLP; reward = mean brightness of the 4x4 sample.
   struct brightness {
-    torch::Tensor operator()(const rollout::flow_rollout& b) { return b.samples().flatten(1).mean(1); }
+    torch::Tensor operator()(const flow_rollout& b) { return b.samples().flatten(1).mean(1); }
   };
   const auto cond = labels(4);
   auto evaluate = [&](auto& model) {
     torch::NoGradGuard ng;
     torch::manual_seed(99);
-    const torch::Tensor x = rollout::sample_trajectory(ode::euler({.steps = 10}), model, labels(64)).samples();
+    const torch::Tensor x = sample_trajectory(ode::euler({.steps = 10}), model, labels(64)).samples();
     return x.mean().item<double>();
   };
   auto run = [&](auto algo_tag, auto algo_options, double lr) {
@@ -531,6 +531,282 @@ TEST_CASE("flow-track algorithms raise a reward through the trainer", "[flow][cp
   }
 }
 
+// ---- free functions on given tensors, float64 at 1e-12 ------------------------------------------
+// Every expected number below is worked out by hand from the formulas of docs/flow.md (decimal
+// expansions of exp / sqrt / log written out), never produced by the library.
+
+namespace {
+constexpr double tight = 1e-12;
+torch::Tensor f64(std::initializer_list<double> v) { return torch::tensor(std::vector<double>(v), torch::kFloat64); }
+torch::Tensor f64(std::initializer_list<std::initializer_list<double>> rows) {
+  std::vector<torch::Tensor> r;
+  for (const auto& row : rows) r.push_back(f64(row));
+  return torch::stack(r);
+}
+void check_values(const torch::Tensor& got, const std::vector<double>& want, double tol = tight) {
+  REQUIRE(got.scalar_type() == torch::kFloat64);
+  const auto g = got.detach().contiguous().reshape({-1});
+  REQUIRE(g.numel() == static_cast<std::int64_t>(want.size()));
+  for (std::size_t i = 0; i < want.size(); ++i) {
+    INFO("element " << i);
+    CHECK(g[static_cast<std::int64_t>(i)].item<double>() == Approx(want[i]).margin(tol));
+  }
+}
+std::vector<bool> as_bools(const torch::Tensor& t) {
+  const auto c = t.to(torch::kBool).contiguous();
+  std::vector<bool> out;
+  for (std::int64_t i = 0; i < c.numel(); ++i) out.push_back(c[i].item<bool>());
+  return out;
+}
+}  // namespace
+
+TEST_CASE("flow advantages, the advantage clip and the interpolation on hand values (float64)", "[flow][cpu]") {
+  // One group of three rewards {1, 2, 6}: mean 3, deviations {-2, -1, 3}; unbiased variance
+  // 14 / 2 = 7 (std sqrt 7 = 2.6457513110645906), biased 14 / 3 (std 2.1602468994692869).
+  const auto r = f64({1.0, 2.0, 6.0, 4.0, 4.0, 4.0});  // the second group is constant: A = 0
+  SECTION("scaled by the unbiased std, eps = 0") {
+    check_values(algo::flow_advantage(r, 3, {.eps = 0.0}),
+                 {-0.7559289460184544, -0.3779644730092272, 1.1338934190276817, 0, 0, 0});
+  }
+  SECTION("scaled by the biased std") {
+    check_values(algo::flow_advantage(r, 3, {.unbiased_std = false, .eps = 0.0}),
+                 {-0.9258200997725514, -0.4629100498862757, 1.3887301496588271, 0, 0, 0});
+  }
+  SECTION("eps is added to the std") {
+    // -2 / (2.6457513110645906 + 0.5) = -0.6357552184456...
+    check_values(algo::flow_advantage(r, 3, {.eps = 0.5}).slice(0, 0, 1), {-2.0 / 3.1457513110645906});
+  }
+  SECTION("r - mean_g without the std") {
+    check_values(algo::flow_advantage(r, 3, {.scale_by_std = false}), {-2, -1, 3, 0, 0, 0});
+  }
+  SECTION("the same under exec::reference") {
+    check_values(algo::flow_advantage<exec::reference>(r, 3, {.eps = 0.0}),
+                 {-0.7559289460184544, -0.3779644730092272, 1.1338934190276817, 0, 0, 0});
+  }
+  // Advantage clip to +-5; 0 turns it off.
+  check_values(algo::clip_advantage(f64({-7.0, 2.0, 6.0}), 5.0), {-5, 2, 5});
+  check_values(algo::clip_advantage(f64({-7.0, 2.0, 6.0}), 0.0), {-7, 2, 6});
+  // x_t = (1 - t) x0 + t eps: t = 0.25 -> (0.75 + 0.75, 1.5 - 0.25); t = 1 -> eps.
+  check_values(algo::flow_interpolate(f64({{1.0, 2.0}, {4.0, 5.0}}), f64({{3.0, -1.0}, {-2.0, 0.5}}), f64({0.25, 1.0})),
+               {1.5, 1.25, -2.0, 0.5});
+  const auto one = torch::ones({1, 1}, torch::kFloat64);
+  CHECK_THROWS_WITH(algo::flow_interpolate(one, one, f64({0.5, 0.5})), Catch::Contains("t has sizes"));
+}
+
+TEST_CASE("Gaussian log-prob and KL of a step on hand values (float64)", "[flow][cpu]") {
+  // x' = (0.5, 0), mean (0.1, 0.2), std 0.2: per element -(d^2) / 0.08 - log 0.2 - log(2 pi) / 2,
+  // with -log 0.2 - log(2 pi)/2 = 1.6094379124341003 - 0.9189385332046727 = 0.6904993792294276:
+  // (-2 + 0.6904993792294276, -0.5 + 0.6904993792294276).
+  const auto x = f64({{0.5, 0.0}}), mu = f64({{0.1, 0.2}});
+  check_values(gaussian_log_prob(x, mu, 0.2, logprob_reduction::sum), {-1.1190012415411448});
+  check_values(gaussian_log_prob(x, mu, 0.2), {-0.5595006207705724});
+  // KL = (0.16 + 0.04) / 0.08 = 2.5 summed, 1.25 as the mean.
+  check_values(gaussian_kl(mu, x, 0.2, logprob_reduction::sum), {2.5});
+  check_values(gaussian_kl<exec::reference>(mu, x, 0.2), {1.25});
+  check_values(gaussian_log_prob(x, mu, 0.0), {0.0});  // deterministic step
+}
+
+TEST_CASE("Flow-GRPO's clipped surrogate on hand values (float64)", "[flow][cpu]") {
+  // rho = exp(logp - old): exp(0.01) = 1.010050167084168, exp(-0.1) = 0.9048374180359595,
+  // exp(0) = 1, exp(0.2) = 1.2214027581601699; eps = 0.05.
+  const auto logp = f64({-1.0, -2.0, -0.5, 0.0}).requires_grad_(true);
+  const auto old = f64({-1.01, -1.9, -0.5, -0.2});
+  const auto adv = f64({1.0, -2.0, 0.5, -1.0});
+  const auto r = algo::flow_grpo_loss(logp, old, adv, 0.05);
+  // 0: A = 1, rho inside 1 +- eps: -rho. 1: A = -2, rho = 0.905 below 0.95: max(1.8097, 2 * 0.95) = 1.9
+  // (clipped). 2: -0.5. 3: A = -1, rho = 1.2214 above 1.05: max(1.2214, 1.05) = 1.2214 (unclipped
+  // wins, but |rho - 1| > eps counts as clipped).
+  check_values(r.loss, {-1.010050167084168, 1.9, -0.5, 1.2214027581601699});
+  check_values(r.ratio, {1.010050167084168, 0.9048374180359595, 1.0, 1.2214027581601699});
+  CHECK(as_bools(r.clipped) == std::vector<bool>{false, true, false, true});
+  // d loss / d logp = -A rho where the unclipped term wins, 0 where the clipped one does.
+  r.loss.sum().backward();
+  check_values(logp.grad(), {-1.010050167084168, 0.0, -0.5, 1.2214027581601699});
+  CHECK_THROWS_WITH(algo::flow_grpo_loss(logp, old, adv, 0.0), Catch::Contains("clip_range = 0"));
+  CHECK_THROWS_WITH(algo::flow_grpo_loss(logp, old.slice(0, 0, 2), adv, 0.1), Catch::Contains("old_logp sizes"));
+}
+
+TEST_CASE("Flow-DPPO's keep mask and loss on hand values (float64)", "[flow][cpu]") {
+  // rho = exp(+-0.1) = 1.1051709180756477 / 0.9048374180359595, or exactly 1; delta = 0.1.
+  const auto logp = f64({0.1, 0.1, -0.1, -0.1, 0.1, 0.0, 0.1}).requires_grad_(true);
+  const auto old = torch::zeros({7}, torch::kFloat64);
+  const auto adv = f64({1.0, -1.0, -2.0, 2.0, 0.5, 3.0, 1.0});
+  const auto kl = f64({0.2, 0.2, 0.5, 0.5, 0.05, 1.0, 0.1});
+  // 0: rho > 1, A > 0, KL >= delta: dropped. 1: rho > 1 but A < 0: kept. 2: rho < 1, A < 0, KL
+  // >= delta: dropped. 3: rho < 1, A > 0: kept. 4: inside the trust region: kept. 5: rho = 1:
+  // kept. 6: KL = delta exactly: dropped (>=).
+  const std::vector<bool> keep{false, true, false, true, true, true, false};
+  const auto ratio = torch::exp(logp.detach());
+  CHECK(as_bools(algo::flow_dppo_keep(ratio, adv, kl, 0.1)) == keep);
+  const auto r = algo::flow_dppo_loss(logp, old, adv, kl, 0.1);
+  // -A rho keep.
+  check_values(r.loss, {0.0, 1.1051709180756477, 0.0, -1.809674836071919, -0.5525854590378239, -3.0, 0.0});
+  std::vector<bool> dropped;
+  for (bool k : keep) dropped.push_back(!k);
+  CHECK(as_bools(r.clipped) == dropped);
+  r.loss.sum().backward();
+  check_values(logp.grad(), {0.0, 1.1051709180756477, 0.0, -1.809674836071919, -0.5525854590378239, -3.0, 0.0});
+}
+
+TEST_CASE("RAM's target and losses and DiffusionNFT's weight and loss on hand values (float64)", "[flow][cpu]") {
+  SECTION("RAM") {
+    // target = ref + m A (fm - old), m = 0.5:
+    // sample 0, A = 2: (1, 2) + 1 * ((1, 0) - (0.5, 1)) = (1.5, 1);
+    // sample 1, A = -0.5: (0, -1) - 0.25 * ((2, 3) - (1, 1)) = (-0.25, -1.5).
+    const auto ref = f64({{1.0, 2.0}, {0.0, -1.0}}).requires_grad_(true);
+    const auto old = f64({{0.5, 1.0}, {1.0, 1.0}}), fm = f64({{1.0, 0.0}, {2.0, 3.0}});
+    const auto target = algo::ram_target(ref, old, fm, f64({2.0, -0.5}), 0.5);
+    check_values(target, {1.5, 1.0, -0.25, -1.5});
+    // L = mean (pred - sg(target))^2 with pred (1, 1), (0, -1): (0.25 + 0 + 0.0625 + 0.25) / 4.
+    const auto pred = f64({{1.0, 1.0}, {0.0, -1.0}}).requires_grad_(true);
+    const auto loss = algo::ram_loss(pred, target);
+    check_values(loss, {0.140625});
+    loss.backward();
+    check_values(pred.grad(), {-0.25, 0.0, 0.125, 0.25});  // 2 (pred - target) / 4
+    CHECK(!ref.grad().defined());                          // the target is a constant
+    // The reward-weighted baseline: per-sample mse (0 + 1) / 2 = 0.5 and (4 + 16) / 2 = 10,
+    // weights 1 + 2 r = 3 and 0: (1.5 + 0) / 2.
+    check_values(algo::reward_weighted_loss(pred, fm, f64({1.0, -0.5}), 2.0), {0.75});
+  }
+  SECTION("DiffusionNFT") {
+    // r = 0.5 + 0.5 clip(A / 5, -1, 1).
+    check_values(algo::nft_weight(f64({-10.0, -2.5, 0.0, 1.0, 7.0}), 5.0), {0.0, 0.25, 0.5, 0.6, 1.0});
+    // beta = 0.5. Sample 0: v+ = (0.5, 1.5), v- = (-0.5, 0.5) against (1, 1): lp = 0.25, ln = 1.25;
+    // sample 1: v+ = (0.25, -0.25), v- = (0.75, 1.25) against 0: lp = 0.0625, ln = 1.0625;
+    // L = (0.75 * 0.25 + 0.25 * 1.25 + 0.25 * 0.0625 + 0.75 * 1.0625) / 2 = 1.3125 / 2.
+    const auto v = f64({{1.0, 2.0}, {0.0, -1.0}});
+    check_values(algo::nft_loss(v, f64({{0.0, 1.0}, {0.5, 0.5}}), f64({{1.0, 1.0}, {0.0, 0.0}}), f64({0.75, 0.25}), 0.5),
+                 {0.65625});
+    CHECK_THROWS_WITH(algo::nft_loss(v, v, v, f64({0.5}), 0.5), Catch::Contains("one per sample"));
+  }
+}
+
+TEST_CASE("a float64 sampler and Flow-GRPO step stay float64 and match the hand formulas", "[flow][cpu]") {
+  // v = w x in float64, the Flow-GRPO SDE on the grid 1 -> 0.5 -> 0 with a = 0.7:
+  // step 0: sigma = 0.7 sqrt(1 / 0.5), k = sigma^2 / 2 = 0.49, mean = (1 - 0.245) x - 0.5 v, std 0.7;
+  // step 1: sigma = 0.7, k = 0.49, mean = (1 - 0.245) x - 0.5 (1 + 0.245) v, std 0.7 sqrt 0.5.
+  const double cx[2] = {0.755, 0.755}, cm[2] = {-0.5, -0.6225}, sd[2] = {0.7, 0.7 * std::sqrt(0.5)};
+  const double w_old = 0.5, w_new = 0.6, w_ref = 0.45, eps = 0.05, beta = 0.5;
+  auto as_f64 = [](double w) {
+    scale_model m(scale_net(w), {1});
+    m.net()->to(torch::kFloat64);
+    return m;
+  };
+  model_set<scale_model> ms{as_f64(w_old)};
+  ms.reference.emplace(as_f64(w_ref));
+  algo::flow_grpo<> a({.clip_range = eps, .beta = beta, .sampler = {.steps = 2}});
+  const step_info info{0, 4};
+  torch::manual_seed(11);
+  auto b = a.sample(ms, torch::zeros({1}, torch::kInt64), info);
+  REQUIRE(b.size() == 4);
+  CHECK(b.trajectory.scalar_type() == torch::kFloat64);
+  CHECK(b.means.scalar_type() == torch::kFloat64);
+  CHECK(b.log_probs.scalar_type() == torch::kFloat64);
+  // The stored means and log-probs are the hand formulas on the stored states, to 1e-12
+  // (float32 anywhere on the way would miss by ~1e-7).
+  auto x = [&](std::int64_t i, std::int64_t k) { return b.trajectory[i][k][0].item<double>(); };
+  auto mean = [&](std::int64_t i, std::int64_t k, double w) { return cx[k] * x(i, k) + cm[k] * w * x(i, k); };
+  auto logp = [&](std::int64_t i, std::int64_t k, double w) {
+    const double d = x(i, k + 1) - mean(i, k, w);
+    return -d * d / (2 * sd[k] * sd[k]) - std::log(sd[k]) - 0.5 * std::log(2 * M_PI);
+  };
+  for (std::int64_t i = 0; i < 4; ++i)
+    for (std::int64_t k = 0; k < 2; ++k) {
+      CHECK(b.means[i][k][0].item<double>() == Approx(mean(i, k, w_old)).margin(tight));
+      CHECK(b.log_probs[i][k].item<double>() == Approx(logp(i, k, w_old)).margin(tight));
+    }
+  // Rewards: the final sample itself, float64 kept through the advantage stage; one group of 4:
+  // A = (r - mean) / (unbiased std + 1e-6).
+  const auto rewards = b.samples().reshape({-1});
+  const auto adv = a.advantage(ms, b, rewards, info);
+  CHECK(b.rewards.scalar_type() == torch::kFloat64);
+  CHECK(adv.scalar_type() == torch::kFloat64);
+  double r[4], m = 0, v = 0;
+  for (int i = 0; i < 4; ++i) m += (r[i] = x(i, 2)) / 4;
+  for (int i = 0; i < 4; ++i) v += (r[i] - m) * (r[i] - m) / 3;
+  double A[4];
+  for (int i = 0; i < 4; ++i) {
+    A[i] = (r[i] - m) / (std::sqrt(v) + 1e-6);
+    CHECK(adv[i].item<double>() == Approx(A[i]).margin(tight));
+  }
+  // One loss with the policy moved to w_new: per step the surrogate averaged over samples, plus
+  // beta * mean_i (mean_new - mean_ref)^2 / (2 sd^2); averaged over the two steps.
+  {
+    torch::NoGradGuard ng;
+    ms.policy.net()->w.fill_(w_new);
+  }
+  const auto terms = a.loss(ms, b, info);
+  REQUIRE(terms.total.scalar_type() == torch::kFloat64);
+  double total = 0;
+  for (std::int64_t k = 0; k < 2; ++k) {
+    double pol = 0, kl = 0;
+    for (std::int64_t i = 0; i < 4; ++i) {
+      const double rho = std::exp(logp(i, k, w_new) - logp(i, k, w_old));
+      pol += std::max(-A[i] * rho, -A[i] * std::min(std::max(rho, 1 - eps), 1 + eps)) / 4;
+      const double dm = mean(i, k, w_new) - mean(i, k, w_ref);
+      kl += dm * dm / (2 * sd[k] * sd[k]) / 4;
+    }
+    total += (pol + beta * kl) / 2;
+  }
+  CHECK(terms.total.item<double>() == Approx(total).margin(tight));
+  terms.total.backward();
+  CHECK(ms.policy.net()->w.grad().scalar_type() == torch::kFloat64);
+}
+
+namespace {
+template <class E>
+concept names_flow_grpo = requires { typename algo::flow_grpo<sde::flow_grpo, E>; };
+template <class E>
+concept names_ram = requires { typename algo::ram<ode::euler, E>; };
+}  // namespace
+// Every flow algorithm takes an ExecutionPolicy, and only that.
+static_assert(names_flow_grpo<exec::reference> && names_flow_grpo<exec::cpu> && !names_flow_grpo<int>);
+static_assert(names_ram<exec::automatic> && !names_ram<double>);
+static_assert(std::is_same_v<algo::flow_grpo<sde::flow_grpo, exec::reference>::exec_policy, exec::reference>);
+static_assert(std::is_same_v<algo::flow_dppo<>::exec_policy, exec::automatic>);
+static_assert(AlgorithmFor<algo::flow_dppo<sde::cps, exec::reference>, gaussian_model> &&
+              AlgorithmFor<algo::ram<ode::euler, exec::reference>, gaussian_model> &&
+              AlgorithmFor<algo::diffusion_nft<ode::euler, exec::reference>, gaussian_model>);
+
+TEST_CASE("a Flow-GRPO step under exec::reference gives the default policy's losses", "[flow][cpu]") {
+  struct brightness {
+    torch::Tensor operator()(const flow_rollout& b) { return b.samples().flatten(1).mean(1); }
+  };
+  auto run = [](auto tag) {
+    using A = typename decltype(tag)::type;
+    torch::manual_seed(21);
+    trainer<models::flow_model<models::mlp_velocity_net>, A, brightness> t(
+        small_mlp_model(), brightness{},
+        {.algorithm = {.clip_range = 1e-3, .beta = 0.04, .sampler = {.steps = 4}},
+         .optim = {.lr = 1e-3},
+         .group_size = 4,
+         .minibatches = 2,
+         .seed = 21,
+         .progress = false});
+    return t.step(labels(2));
+  };
+  {
+    // The fused CPU step (exec::cpu, and automatic on CPU tensors) against the reference oracle.
+    torch::manual_seed(20);
+    auto model = small_mlp_model();
+    const auto x = torch::randn({6, 1, 4, 4});
+    torch::NoGradGuard ng;
+    const auto r = denoise_step<exec::reference>(sde::flow_grpo{}, model, x, 0.8, 0.6, labels(6));
+    const auto c = denoise_step<exec::cpu>(sde::flow_grpo{}, model, x, 0.8, 0.6, labels(6));
+    CHECK(torch::allclose(r.mean, c.mean, 1e-6, 1e-6));
+    CHECK(r.std == c.std);
+  }
+  const auto ref = run(std::type_identity<algo::flow_grpo<sde::flow_grpo, exec::reference>>{});
+  const auto def = run(std::type_identity<algo::flow_grpo<>>{});
+  CHECK(ref.loss == Approx(def.loss).margin(1e-6));
+  CHECK(ref.policy_loss == Approx(def.policy_loss).margin(1e-6));
+  CHECK(ref.kl == Approx(def.kl).margin(1e-6));
+  CHECK(ref.reward_mean == Approx(def.reward_mean).margin(1e-6));
+  CHECK(ref.optimizer_steps == 2);
+  // A second minibatch trains off-policy: the losses are not trivially those of the first update.
+  CHECK(ref.clip_fraction == Approx(def.clip_fraction).margin(1e-6));
+}
+
 // ---- adapters and nets ------------------------------------------------------------------------
 
 TEST_CASE("flow adapters: guidance, q_sample, shapes and errors", "[flow][cpu]") {
@@ -546,7 +822,7 @@ TEST_CASE("flow adapters: guidance, q_sample, shapes and errors", "[flow][cpu]")
   CHECK(torch::allclose(model.velocity(x, t, c), vu + 3.0 * (vc - vu), 1e-5, 1e-5));
   CHECK_THROWS_WITH(model.velocity(torch::randn({3, 1, 8, 8}), t, c), Catch::Contains("expected (B, [1, 4, 4])"));
   CHECK_THROWS_AS(model.set_guidance(-1.0), unirl::error);
-  CHECK_THROWS_AS(rollout::sde::flow_grpo({.noise_level = 2.0}), unirl::config_error);
+  CHECK_THROWS_AS(sde::flow_grpo({.noise_level = 2.0}), unirl::config_error);
   CHECK_THROWS_WITH(algo::flow_grpo<>({.clip_range = 0.0}), Catch::Contains("clip_range"));
 
   // DDPM: abar in float64, q_sample's formula, the last-step DDIM deterministic.
@@ -607,7 +883,7 @@ TEST_CASE("flow adapters: guidance, q_sample, shapes and errors", "[flow][cpu]")
 
 TEST_CASE("an ODE rollout cannot train a policy-gradient loss", "[flow][cpu]") {
   model_set<gaussian_model> ms{gaussian_model(gaussian_net(1, 0.0, 1.0), {1})};
-  auto b = rollout::sample_trajectory(ode::euler({.steps = 3}), ms.policy, torch::zeros({4}, torch::kInt64));
+  auto b = sample_trajectory(ode::euler({.steps = 3}), ms.policy, torch::zeros({4}, torch::kInt64));
   b.advantages = torch::zeros({4});
   algo::flow_grpo<> a({.beta = 0.0});
   CHECK_THROWS_WITH(a.loss(ms, b, {}), Catch::Contains("no stochastic step"));
@@ -642,5 +918,249 @@ TEST_CASE("Fréchet distance matches closed forms", "[flow][cpu]") {
     CHECK(st.mean(0) == Approx(1.0).margin(0.03));
     CHECK(st.cov(1, 1) == Approx(4.0).margin(0.1));
     CHECK_THROWS_WITH(eval::feature_statistics(torch::randn({1, 2})), Catch::Contains("N = 1"));
+  }
+}
+
+// ---- gradient accumulation and mixed precision on the flow track (issue 12) -------------------
+
+TEST_CASE("gradient accumulation: Flow-GRPO micro-batches give the whole minibatch's loss, gradients and update",
+          "[flow][cpu][accumulation]") {
+  struct brightness {
+    torch::Tensor operator()(const flow_rollout& b) { return b.samples().flatten(1).mean(1); }
+  };
+  using model_t = models::flow_model<models::mlp_velocity_net>;
+  using T = trainer<model_t, algo::flow_grpo<>, brightness>;
+  torch::manual_seed(30);
+  const auto init = small_mlp_model();
+  auto weights = [](const model_t& m) {
+    std::vector<torch::Tensor> w;
+    for (const auto& p : m.parameters()) w.push_back(p.detach().clone());
+    return w;
+  };
+  auto diff = [](const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {
+    double d = 0;
+    for (std::size_t i = 0; i < a.size(); ++i) d = std::max(d, (a[i] - b[i]).abs().max().item<double>());
+    return d;
+  };
+  // lr / eps = 1 with eps >> |g|: the first AdamW step moves each weight by ~ -g.
+  auto run = [&](std::int64_t micro) {
+    T t(init.clone(), brightness{},
+        {.algorithm = {.beta = 0.04, .sampler = {.steps = 6}}, .optim = {.lr = 1e6, .eps = 1e6}, .group_size = 4,
+         .micro_batch_size = micro, .seed = 3, .progress = false});
+    const auto s = t.step(labels(3));  // 12 samples
+    return std::pair{s, weights(t.models().policy)};
+  };
+  const auto [full, w_full] = run(0);
+  const double moved = diff(w_full, weights(init));
+  REQUIRE(moved > 1e-4);
+  for (const std::int64_t micro : {1, 5}) {  // 12 = 5 + 5 + 2: unequal micro-batches
+    const auto [acc, w_acc] = run(micro);
+    // On-policy the surrogate and the KL are ~0 (ratio 1, group-centred advantages): rounding-level values.
+    CHECK(acc.loss == Approx(full.loss).epsilon(1e-5).margin(1e-6));
+    CHECK(acc.kl == Approx(full.kl).epsilon(1e-5).margin(1e-7));
+    CHECK(acc.grad_norm == Approx(full.grad_norm).epsilon(1e-5));
+    CHECK(diff(w_acc, w_full) <= 1e-4 * moved);
+  }
+}
+
+TEST_CASE("mixed precision: a bf16 Flow-GRPO step keeps float32 weights and a loss close to float32's",
+          "[flow][cpu][precision]") {
+  struct brightness {
+    torch::Tensor operator()(const flow_rollout& b) { return b.samples().flatten(1).mean(1); }
+  };
+  torch::manual_seed(31);
+  model_set<models::flow_model<models::mlp_velocity_net>> ms{small_mlp_model()};
+  ms.reference.emplace(ms.policy.clone());
+  algo::flow_grpo<> alg({.beta = 0.04, .sampler = {.steps = 6}});
+  const step_info info{0, 4, torch::kCPU, nullptr, 2, nullptr};
+  flow_rollout b = alg.sample(ms, labels(3), info);
+  alg.advantage(ms, b, brightness{}(b), info);
+  auto loss = [&](precision p) {
+    for (auto& q : ms.policy.parameters()) q.mutable_grad() = torch::Tensor();
+    loss_terms t;
+    {
+      autocast_scope amp(torch::kCPU, p);
+      t = alg.loss(ms, b, info);
+    }
+    t.total.backward();
+    std::vector<torch::Tensor> g;
+    for (auto& q : ms.policy.parameters()) {
+      CHECK(q.grad().scalar_type() == torch::kFloat);
+      g.push_back(q.grad().reshape({-1}).clone());
+    }
+    CHECK(t.total.scalar_type() == torch::kFloat);
+    return std::pair{t.total.item<double>(), torch::cat(g)};
+  };
+  const auto [l32, g32] = loss(precision::fp32);
+  const auto [l16, g16] = loss(precision::bf16);
+  CHECK(l16 == Approx(l32).epsilon(5e-2).margin(1e-3));
+  CHECK(torch::isfinite(g16).all().item<bool>());
+  CHECK((g16 - g32).norm().item<double>() > 0.0);  // the bf16 path really ran in bfloat16
+}
+
+// ---- flow-matching pretraining (train/flow_matching.hpp) --------------------------------------
+#include <unirl/train/flow_matching.hpp>
+
+namespace {
+// v = a x + b t + c cond: a velocity whose loss can be written down by hand.
+class affine_velocity_netImpl : public torch::nn::Cloneable<affine_velocity_netImpl> {
+ public:
+  affine_velocity_netImpl() { reset(); }
+  void reset() override {
+    a = register_parameter("a", torch::full({}, 0.5));
+    b = register_parameter("b", torch::full({}, -1.5));
+    c = register_parameter("c", torch::full({}, 0.25));
+  }
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& t, const torch::Tensor& cond) {
+    return a * x + b * t.reshape({-1, 1}) + c * cond.to(x.scalar_type()).reshape({-1, 1});
+  }
+  torch::Tensor null_condition(const torch::Tensor& c) const { return torch::zeros_like(c); }
+  torch::Tensor a, b, c;
+};
+TORCH_MODULE(affine_velocity_net);
+using affine_model = models::flow_model<affine_velocity_net>;
+}  // namespace
+
+TEST_CASE("flow_matching_loss equals mean((v(x_t, t, c) - (eps - x0))^2) on known inputs", "[cpu][flow]") {
+  affine_velocity_net net;
+  const std::vector<std::vector<double>> x0{{1.0, -2.0, 0.5}, {0.0, 3.0, -1.0}}, eps{{0.3, 0.1, -0.7}, {1.2, -0.4, 0.9}};
+  const std::vector<double> t{0.25, 0.8}, cond{2.0, 5.0};
+  double sum = 0;
+  for (std::size_t i = 0; i < 2; ++i)
+    for (std::size_t j = 0; j < 3; ++j) {
+      const double xt = (1 - t[i]) * x0[i][j] + t[i] * eps[i][j];
+      const double v = 0.5 * xt - 1.5 * t[i] + 0.25 * cond[i];
+      sum += std::pow(v - (eps[i][j] - x0[i][j]), 2);
+    }
+  auto tens = [](const std::vector<std::vector<double>>& v) {
+    return torch::tensor({v[0][0], v[0][1], v[0][2], v[1][0], v[1][1], v[1][2]}, torch::kFloat64).view({2, 3});
+  };
+  net->to(torch::kFloat64);
+  const auto loss = train::flow_matching_loss(net, tens(x0), torch::tensor(cond, torch::kFloat64),
+                                              torch::tensor(t, torch::kFloat64), tens(eps));
+  CHECK(loss.item<double>() == Approx(sum / 6.0).epsilon(1e-12));
+  CHECK_THROWS_WITH(train::flow_matching_loss(net, tens(x0), torch::tensor(cond, torch::kFloat64),
+                                              torch::tensor({0.5}, torch::kFloat64), tens(eps)),
+                    Catch::Contains("t has sizes"));
+
+  // The objective's draws (t ~ U(0,1), eps, the condition dropout) are the adapter's
+  // flow_matching_loss's, in the same order: equal losses from equal generator states.
+  affine_model m(affine_velocity_net(), {3});
+  const train::flow_matching_objective<affine_model> obj({.p_uncond = 0.5});
+  const auto x = torch::randn({64, 3}), c = torch::randint(0, 4, {64}, torch::kInt64);
+  torch::manual_seed(11);
+  const auto mine = obj.loss(m, {x, c});
+  torch::manual_seed(11);
+  const auto theirs = m.flow_matching_loss(x, c, 0.5);
+  CHECK(mine.total.item<double>() == theirs.item<double>());
+  CHECK(mine.examples == 64);
+  CHECK_THROWS_WITH(obj.loss(m, {torch::zeros({4, 2}), torch::zeros({4})}), Catch::Contains("expected (B, 3)"));
+}
+
+TEST_CASE("flow_matching_trainer recovers Gaussian data and resumes bit for bit", "[cpu][flow]") {
+  // Data N(2, 0.5^2): the flow-matching optimum of gaussian_net is mu = 2, s = 0.5.
+  auto next = [](std::int64_t n) {
+    return train::flow_matching_batch{2.0 + 0.5 * torch::randn({n, 1}), torch::zeros({n}, torch::kInt64)};
+  };
+  using fm_t = train::flow_matching_trainer<gaussian_model>;
+  const fm_t::options o{.optim = {.lr = 0.05},
+                        .schedule = {.kind = train::schedule_kind::cosine, .min_lr_ratio = 0.1},
+                        .batch_size = 256,
+                        .steps = 300,
+                        .seed = 3,
+                        .progress = false};
+  fm_t t(gaussian_model(gaussian_net(1, 0.0, 1.0), {1}), o);
+  const auto r = t.run(next);
+  CHECK(r.steps == 300);
+  CHECK(r.loss_last < r.loss_first);
+  const auto& net = t.model().net();
+  CHECK(net->mu.item<double>() == Approx(2.0).margin(0.1));
+  CHECK(std::exp(net->log_s.item<double>()) == Approx(0.5).margin(0.1));
+
+  // Resume: 4 steps straight, or 2, a checkpoint, a fresh trainer (other weights) and 2 more.
+  const auto path = (std::filesystem::temp_directory_path() /
+                     ("unirl_fm_" + std::to_string(std::random_device{}()) + ".pt")).string();
+  auto short_run = o;
+  short_run.steps = 4;
+  fm_t straight(gaussian_model(gaussian_net(1, 0.0, 1.0), {1}), short_run);
+  for (int i = 0; i < 4; ++i) straight.step(next(64));
+  fm_t a(gaussian_model(gaussian_net(1, 0.0, 1.0), {1}), short_run);
+  a.step(next(64));
+  a.step(next(64));
+  a.save(path);
+  fm_t b(gaussian_model(gaussian_net(1, 1.0, 3.0), {1}), short_run);
+  b.load(path);
+  CHECK(b.step_count() == 2);
+  b.step(next(64));
+  const auto last = b.step(next(64));
+  CHECK(last.step == 3);
+  CHECK(torch::equal(b.model().net()->mu, straight.model().net()->mu));
+  CHECK(torch::equal(b.model().net()->log_s, straight.model().net()->log_s));
+  std::filesystem::remove(path);
+}
+
+TEST_CASE("lora on a flow net: zero-initialised adapters keep the velocity; RAM (EMA and reference) and Flow-GRPO "
+          "train only the adapters against the base as reference",
+          "[flow][cpu][lora]") {
+  struct brightness {
+    torch::Tensor operator()(const flow_rollout& b) { return b.samples().flatten(1).mean(1); }
+  };
+  torch::manual_seed(30);
+  auto base = small_mlp_model();
+  const auto x = torch::randn({5, 1, 4, 4}), t = torch::rand({5}), c = labels(5);
+  torch::Tensor v0;
+  {
+    torch::NoGradGuard ng;
+    v0 = base.velocity(x, t, c);
+  }
+  auto adapted = base.clone();
+  const lora::options lo{.rank = 2, .alpha = 4};
+  const auto names = lora::apply(adapted, lo);
+  // every linear layer of the net (the condition embedding's too), none of the norms
+  CHECK(names == std::vector<std::string>{"blocks.1", "blocks.2", "blocks.3", "blocks.5", "blocks.6", "blocks.7",
+                                          "embed.time1", "embed.time2", "input", "output"});
+  {
+    torch::NoGradGuard ng;
+    CHECK(torch::equal(adapted.velocity(x, t, c), v0));
+  }
+  auto run = [&](auto tag, auto algo_options) {
+    using A = typename decltype(tag)::type;
+    torch::manual_seed(31);
+    auto m = base.clone();
+    lora::apply(m, lo);
+    trainer<models::flow_model<models::mlp_velocity_net>, A, brightness> tr(
+        m, brightness{}, {.algorithm = algo_options, .optim = {.lr = 1e-2}, .group_size = 4, .seed = 31,
+                          .progress = false});
+    REQUIRE(tr.models().reference.has_value());
+    auto& policy = tr.models().policy;
+    CHECK(tr.models().reference->named_parameters().front().second.data_ptr() ==
+          policy.named_parameters().front().second.data_ptr());  // the same weights, not a copy
+    for (int i = 0; i < 3; ++i) CHECK(std::isfinite(tr.step(labels(2)).loss));
+    const auto b = base.named_parameters();
+    std::size_t k = 0;
+    double moved = 0;
+    for (const auto& [n, p] : policy.named_parameters()) {
+      if (n.find(".lora_") != std::string::npos) {
+        const torch::Tensor w = p;  // (a non-dependent type inside this generic lambda)
+        if (n.ends_with("lora_B.weight")) moved = std::max(moved, w.abs().max().item<double>());
+        continue;
+      }
+      INFO(n);
+      REQUIRE(b[k].first == n);
+      CHECK(torch::equal(b[k++].second, p));  // the base is untouched
+    }
+    CHECK(moved > 0.0);
+    torch::NoGradGuard ng;
+    const torch::Tensor dv = policy.velocity(x, t, c) - v0;
+    CHECK(dv.abs().max().item<double>() > 0.0);
+    {  // the reference's velocity (adapters off) is the base's, bit for bit
+      lora::disabled_guard off;
+      CHECK(torch::equal(tr.models().reference->velocity(x, t, c), v0));
+    }
+    if (tr.models().ema) CHECK(lora::has_adapters(tr.models().ema->named_parameters()));  // EMA copies the adapters
+  };
+  SECTION("RAM") { run(std::type_identity<algo::ram<>>{}, algo::ram_options{.multiplier = 1.0, .sampler = {.steps = 4}}); }
+  SECTION("Flow-GRPO") {
+    run(std::type_identity<algo::flow_grpo<>>{}, algo::flow_grpo_options{.beta = 0.04, .sampler = {.steps = 4}});
   }
 }

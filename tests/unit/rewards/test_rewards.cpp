@@ -61,8 +61,8 @@ static_assert(unirl::ReportsComponents<weighted<exact_answer, regex_format>>);
 // A composite that holds a scorer which cannot read the batch is not a reward for it (the trainer's
 // RewardFor check rejects it; calling it directly names ScorerFor — see weighted_misfit.cpp).
 static_assert(!unirl::RewardFor<weighted<exact_answer, regex_format>, image_batch>);
-static_assert(!unirl::RewardFor<weighted<regex_format>, unirl::rollout::flow_rollout>);
-static_assert(HasImages<unirl::rollout::flow_rollout>);
+static_assert(!unirl::RewardFor<weighted<regex_format>, unirl::flow_rollout>);
+static_assert(HasImages<unirl::flow_rollout>);
 static_assert(HasImages<image_batch> && !HasImages<text_batch>);
 
 TEST_CASE("exact_answer compares the extracted answer with the reference", "[cpu][rewards]") {
@@ -411,7 +411,7 @@ TEST_CASE("learned_reward scores views of images with a torch::nn module", "[cpu
   CHECK_THROWS_AS((learned_reward{pixel_net(), images_input{}, {.crops = 7}}), unirl::config_error);
 
   // The flow track's batch: images are the trajectory's last state.
-  unirl::rollout::flow_rollout fr;
+  unirl::flow_rollout fr;
   fr.trajectory = torch::stack({torch::zeros_like(imgs), imgs}, 1);  // (B, K+1, C, H, W), K = 1
   CHECK(torch::allclose(plain(fr), 2 * imgs.mean({1, 2, 3})));
 }

@@ -232,3 +232,172 @@ TEST_CASE("grpo and ppo options validate and parse by name", "[cpu][token][optio
   CHECK_THROWS_WITH(unirl::options::apply_overrides(p, {"gamma=2"}), Catch::Contains("gamma"));
   CHECK_THROWS_WITH(grpo<>(grpo_options{.dual_clip = 0.5}), Catch::Contains("dual_clip"));
 }
+
+// ---- Every free function in float64 against hand values at 1e-12 (issue 15): the result keeps
+// the input's floating type, and the numbers are worked from the formulas of docs/algorithms.
+namespace {
+bool is_f64(const torch::Tensor& t) { return t.defined() && t.scalar_type() == torch::kDouble; }
+bool exact(const torch::Tensor& a, const torch::Tensor& b) { return is_f64(a) && close(a, b, 1e-12); }
+}  // namespace
+
+TEST_CASE("float64: GRPO, Dr.GRPO and RLOO advantages by hand", "[cpu][token][advantage][f64]") {
+  const auto r = d({0, 2, 4, 5, 5, 5});  // two groups of 3; the second all equal -> exactly 0
+  // mean 2, deviations -2, 0, 2; unbiased std sqrt(8/2) = 2: 2 / (2 + 1e-6) = 0.99999950000025
+  const double a = 2.0 / 2.000001;
+  CHECK(exact(group_advantage(r, 3), d({-a, 0, a, 0, 0, 0})));
+  CHECK(exact(estimate<unirl::exec::reference>(group_normalized{}, r, 3), d({-a, 0, a, 0, 0, 0})));
+  // population std sqrt(8/3) = 1.632993161855452: 2 / (1.632993161855452 + 1e-6) = 1.224744121392048
+  CHECK(exact(group_advantage(r, 3, {.unbiased_std = false}), d({-1.224744121392048, 0, 1.224744121392048, 0, 0, 0})));
+  // Dr.GRPO: r - mean_g = -2, 0, 2
+  CHECK(exact(group_advantage(r, 3, {.scale_by_std = false}), d({-2, 0, 2, 0, 0, 0})));
+  CHECK(exact(estimate<unirl::exec::automatic>(dr_grpo{}, r, 3), d({-2, 0, 2, 0, 0, 0})));
+  // RLOO: r_i - mean of the others: 0 - 3 = -3, 2 - 2 = 0, 4 - 1 = 3
+  CHECK(exact(rloo_advantage(r, 3), d({-3, 0, 3, 0, 0, 0})));
+  CHECK(exact(estimate<unirl::exec::reference>(rloo{}, r, 3), d({-3, 0, 3, 0, 0, 0})));
+}
+
+TEST_CASE("float64: token rewards, discounted returns and REINFORCE++ by hand", "[cpu][token][advantage][f64]") {
+  const auto mask = d({1, 1, 1, 1, 1, 0}).view({2, 3});
+  const auto outcome = d({1, -1});
+  const auto old = d({0.1, -0.2, 0.3, 0.5, 0.0, 9.0}).view({2, 3}), ref = torch::zeros({2, 3}, torch::kDouble);
+  // r_t = -0.5 (old - ref)_t m_t, outcome on the last valid token (row 0: t = 2, row 1: t = 1):
+  // row 0: -0.05, 0.1, -0.15 + 1 = 0.85; row 1: -0.25, 0 - 1 = -1, masked 0
+  const auto tok = token_level_rewards(outcome, mask, old - ref, 0.5);
+  CHECK(exact(tok, d({-0.05, 0.1, 0.85, -0.25, -1, 0}).view({2, 3})));
+  CHECK(exact(token_level_rewards(outcome, mask), d({0, 0, 1, 0, -1, 0}).view({2, 3})));
+  // G_t = r_t + 0.9 m_t G_{t+1}: row 0: G2 = 0.85, G1 = 0.1 + 0.9 * 0.85 = 0.865, G0 = -0.05 + 0.9 * 0.865 = 0.7285;
+  // row 1: G2 = 0, G1 = -1, G0 = -0.25 + 0.9 * -1 = -1.15
+  CHECK(exact(discounted_returns(tok, mask, 0.9), d({0.7285, 0.865, 0.85, -1.15, -1, 0}).view({2, 3})));
+  // Whitened over the 5 valid returns: mean 0.2935 / 5 = 0.0587, unbiased var 4.3067088 / 4 = 1.0766772,
+  // std 1.037630570097084; (G - 0.0587) / (std + 1e-8)
+  const auto expect = d({0.6455091174523126, 0.7770588256222748, 0.7626028137354658, -1.1648654378390717,
+                         -1.0203053189709814, 0})
+                          .view({2, 3});
+  CHECK(exact(reinforce_pp_advantage(outcome, mask, old, ref, 0.5, 0.9), expect));
+  CHECK(exact(reinforce_pp_advantage<unirl::exec::reference>(outcome, mask, old, ref, 0.5, 0.9), expect));
+  CHECK_THROWS_WITH(token_level_rewards(d({1}), mask), Catch::Contains("1 outcome rewards for 2 completions"));
+}
+
+TEST_CASE("float64: GAE along each completion (token track) by hand", "[cpu][token][advantage][f64]") {
+  const auto mask = d({1, 1, 0, 1, 1, 1}).view({2, 3});
+  const auto rew = d({0, 1, 0, 0, 0, 2}).view({2, 3});
+  const auto val = d({0.5, 0.25, 7, 1, 1, 1}).view({2, 3});
+  const auto g = token_gae(rew, val, mask, 0.9, 0.8);
+  // row 0 (ends at t = 1): A1 = 1 - 0.25 = 0.75 (t = 2 starts a new episode: no bootstrap);
+  //   A0 = (0 + 0.9 * 0.25 - 0.5) + 0.9 * 0.8 * 0.75 = -0.275 + 0.54 = 0.265; masked slot 0
+  // row 1: A2 = 2 - 1 = 1 (nothing after T); A1 = (0.9 - 1) + 0.72 * 1 = 0.62; A0 = -0.1 + 0.72 * 0.62 = 0.3464
+  CHECK(exact(g.advantages, d({0.265, 0.75, 0, 0.3464, 0.62, 1}).view({2, 3})));
+  CHECK(exact(g.returns, d({0.765, 1.0, 0, 1.3464, 1.62, 2}).view({2, 3})));  // A + V on valid tokens
+}
+
+TEST_CASE("float64: GAE over (T, N), whitening and the DAPO masks by hand", "[cpu][token][advantage][f64]") {
+  // gae (CleanRL): delta_1 = 1 + 0.9 * 0.5 - 0.5 = 0.95, A_0 = (1 + 0.45 - 0.5) + 0.72 * 0.95 = 1.634
+  const auto g = gae(d({1, 1}).view({2, 1}), d({0.5, 0.5}).view({2, 1}), torch::zeros({2, 1}, torch::kDouble),
+                     d({0.5}), d({0}), 0.9, 0.8);
+  CHECK(exact(g.advantages, d({1.634, 0.95}).view({2, 1})));
+  CHECK(exact(gae<unirl::exec::reference>(d({1, 1}).view({2, 1}), d({0.5, 0.5}).view({2, 1}),
+                                          torch::zeros({2, 1}, torch::kDouble), d({0.5}), d({0}), 0.9, 0.8)
+                  .advantages,
+              d({1.634, 0.95}).view({2, 1})));
+  // {1, 2, 4}: mean 7/3, unbiased std sqrt(7/3) = 1.5275252316519468; (x - 7/3) / (std + 1e-8)
+  CHECK(exact(normalize(d({1, 2, 4})), d({-0.8728715552296838, -0.2182178888074210, 1.0910894440371048})));
+  CHECK(exact(masked_normalize(d({1, 100, 2, 4}), d({1, 0, 1, 1})),
+              d({-0.8728715552296838, 0, -0.2182178888074210, 1.0910894440371048})));
+  CHECK(exact(masked_mean(d({1, 100, 2, 4}), d({1, 0, 1, 1})), d({7.0 / 3.0}).squeeze()));
+  // Dynamic sampling keeps groups whose rewards differ; 1e-12 apart is a difference in float64
+  // (in float32 both would round to 0.7f).
+  CHECK(torch::equal(informative_groups(d({1, 1, 1, 0, 1, 0, 0.7, 0.7 + 1e-12, 0.7}), 3),
+                     torch::tensor({false, true, true})));
+  CHECK(torch::equal(informative_groups(torch::tensor({3, 3, 1, 2}, torch::kInt64), 2), torch::tensor({false, true})));
+  // Overlong penalty, L_max 10, L_c 3: 0 up to 7, (7 - L) / 3 to 10, -1 beyond
+  const auto L = torch::tensor({6, 7, 8, 9, 10, 11}, torch::kInt64);
+  CHECK(exact(overlong_penalty(L, 10, 3, torch::kDouble), d({0, 0, -1.0 / 3.0, -2.0 / 3.0, -1, -1})));
+}
+
+TEST_CASE("float64: clip (clip-higher, dual clip), DPPO mask, value loss, KL and aggregation by hand",
+          "[cpu][token][policy_loss][f64]") {
+  const auto lp = torch::log(d({1.5, 1.5, 0.5, 0.5, 5.0})), old = torch::zeros({5}, torch::kDouble);
+  const auto adv = d({1, -1, 1, -1, -1});
+  // clip-higher [0.8, 1.28]: max(-1.5, -1.28), max(1.5, 1.28), max(-0.5, -0.8), max(0.5, 0.8), max(5, 1.28)
+  auto r = ppo_clip_loss(lp, old, adv, 0.2, 0.28);
+  CHECK(exact(r.loss, d({-1.28, 1.5, -0.5, 0.8, 5.0})));
+  CHECK(exact(r.ratio, d({1.5, 1.5, 0.5, 0.5, 5.0})));
+  r = ppo_clip_loss(lp, old, adv, 0.2, 0.28, 3.0);  // dual clip: A < 0 capped at -A c = 3
+  CHECK(exact(r.loss, d({-1.28, 1.5, -0.5, 0.8, 3.0})));
+  // DPPO: (.5 -> .8, A 1): A(rho-1) > 0 and |dp| = .3 > .15: dropped; A -1: kept, -A rho = 1.6; (.5 -> .6): |dp| = .1 kept
+  const auto m = dppo_mask_loss(torch::log(d({0.8, 0.8, 0.6})), torch::log(d({0.5, 0.5, 0.5})), d({1, -1, 1}), 0.15);
+  CHECK(exact(m.loss, d({0, 1.6, -1.2})));
+  // value: 0.5 max((V - R)^2, (V_old + clip(V - V_old, +-0.2) - R)^2): (2, 1, 0): max(4, 1.44) / 2 = 2;
+  // (1.4, 1, 1.5): max(0.01, 0.09) / 2 = 0.045; (0, 1, 1): max(1, 0.04) / 2 = 0.5
+  const auto v = d({2, 1.4, 0}), vo = d({1, 1, 1}), R = d({0, 1.5, 1});
+  CHECK(exact(value_loss(v, vo, R, 0.2), d({2, 0.045, 0.5})));
+  CHECK(exact(value_loss(v, vo, R, 0.0), d({2, 0.005, 0.5})));
+  // KL with l = {0.5, -0.25, 30}: k1 = l; k2 = l^2 / 2; k3 = e^-l - 1 + l: e^-.5 - .5 = 0.10653065971263342,
+  // e^.25 - 1.25 = 0.034025416687741394; l = 30 -> clamp 20 -> 19.000000002 -> clamp 10
+  const auto l = d({0.5, -0.25, 30}), z = torch::zeros({3}, torch::kDouble);
+  CHECK(exact(kl_penalty(l, z, kl_estimator::k1), d({0.5, -0.25, 30})));
+  CHECK(exact(kl_penalty(l, z, kl_estimator::k2), d({0.125, 0.03125, 450})));
+  CHECK(exact(kl_penalty(l, z, kl_estimator::k3), d({0.10653065971263342, 0.034025416687741394, 10})));
+  // aggregation of {{1, 2, 3}, {4, 5, 6}} under {{1, 1, 0}, {1, 0, 0}}: token_mean 7 / 3;
+  // seq_mean_token_mean (1.5 + 4) / 2 = 2.75; seq_mean_token_sum_norm (3 / 4 + 4 / 4) / 2 = 0.875
+  const auto x = d({1, 2, 3, 4, 5, 6}).view({2, 3}), mk = d({1, 1, 0, 1, 0, 0}).view({2, 3});
+  CHECK(exact(aggregate(x, mk, loss_agg::token_mean, 0), d({7.0 / 3.0}).squeeze()));
+  CHECK(exact(aggregate(x, mk, loss_agg::seq_mean_token_mean, 0), d({2.75}).squeeze()));
+  CHECK(exact(aggregate(x, mk, loss_agg::seq_mean_token_sum_norm, 4), d({0.875}).squeeze()));
+}
+
+TEST_CASE("float64: grpo_loss on given tensors by hand", "[cpu][token][grpo][f64]") {
+  grpo_eval ev;
+  ev.logp = torch::log(d({1.5, 0.5, 1.1, 2.0})).view({2, 2}).requires_grad_(true);  // rho = these (old = 0)
+  ev.old_logp = torch::zeros({2, 2}, torch::kDouble);
+  ev.ref_logp = torch::zeros({2, 2}, torch::kDouble);
+  ev.advantages = d({1, -1, 0.5, 0.5}).view({2, 2});
+  ev.entropy = d({1, 3, 2, 100}).view({2, 2});
+  ev.mask = d({1, 1, 1, 0}).view({2, 2});
+  const grpo_options o{.clip_high = 0.28, .kl_coef = 0.1, .ent_coef = 0.01};  // k3, seq_mean_token_mean
+  const auto t = grpo_loss(o, ev);
+  // per token: max(-1.5, -1.28) = -1.28; max(0.5, 0.8) = 0.8; max(-0.55, -0.55) = -0.55 (1.1 inside the clip)
+  // seq_mean_token_mean: ((-1.28 + 0.8) / 2 + -0.55) / 2 = -0.395
+  // k3 = 1/rho - 1 + ln rho: 0.07213177477483101, 0.3068528194400547, 0.0044010888952339955
+  //   -> ((0.07213177477483101 + 0.3068528194400547) / 2 + 0.0044010888952339955) / 2 = 0.09694669300133843
+  // entropy ((1 + 3) / 2 + 2) / 2 = 2; total = -0.395 + 0.1 * 0.09694669300133843 - 0.01 * 2
+  REQUIRE(is_f64(t.total));
+  CHECK(t.total.item<double>() == Approx(-0.4053053306998662).margin(1e-12));
+  CHECK(t.policy == Approx(-0.395).margin(1e-12));
+  CHECK(t.kl == Approx(0.09694669300133843).margin(1e-12));
+  CHECK(t.entropy == Approx(2.0).margin(1e-12));
+  CHECK(t.clip_fraction == Approx(2.0 / 3.0).margin(1e-12));  // the first two tokens are on the clipped branch
+  CHECK(t.ratio_mean == Approx(3.1 / 3.0).margin(1e-12));
+  // REINFORCE++: the KL is in the reward, measured here but not added
+  const auto rpp = grpo_loss(grpo_options{.clip_high = 0.28, .kl_coef = 0.1, .advantage = advantage_kind::reinforce_pp,
+                                          .ent_coef = 0.01},
+                             ev);
+  CHECK(rpp.total.item<double>() == Approx(-0.395 - 0.01 * 2).margin(1e-12));
+  // gradient of the policy term: the clipped tokens get none; the unclipped one d/dlogp (-A rho) = -A rho
+  // = -0.55, over its sequence's 1 valid token and the 2 sequences: -0.275
+  const grpo_options plain{.clip_high = 0.28};
+  grpo_loss(plain, ev).total.backward();
+  CHECK(exact(ev.logp.grad(), d({0, 0, -0.275, 0}).view({2, 2})));
+}
+
+TEST_CASE("float64: ppo_loss combines the shared terms by hand", "[cpu][token][ppo][f64]") {
+  ppo_eval ev;
+  ev.logp = torch::log(d({1.5, 0.5})).view({1, 2}).requires_grad_(true);
+  ev.old_logp = torch::zeros({1, 2}, torch::kDouble);
+  ev.advantages = d({1, -1}).view({1, 2});
+  ev.mask = torch::ones({1, 2}, torch::kDouble);
+  ev.values = d({2, 0}).view({1, 2});
+  ev.old_values = d({1, 1}).view({1, 2});
+  ev.returns = d({0, 1}).view({1, 2});
+  ev.entropy = d({1, 3}).view({1, 2});
+  ev.ref_logp = torch::zeros({1, 2}, torch::kDouble);
+  const ppo_options o{.vf_coef = 0.5, .ent_coef = 0.1, .kl_coef = 0.2, .kl = kl_estimator::k1,
+                      .kl_in_reward = false, .norm_adv = false};
+  const auto t = ppo_loss(o, ev);
+  // policy mean(-1.2, 0.8) = -0.2; value mean(2, 0.5) = 1.25; entropy 2; k1 mean(ln 1.5, ln 0.5) = -0.143841036225890
+  REQUIRE(is_f64(t.total));
+  const double kl = -0.14384103622589045;  // (0.4054651081081644 - 0.6931471805599453) / 2
+  CHECK(t.total.item<double>() == Approx(-0.2 + 0.5 * 1.25 - 0.1 * 2.0 + 0.2 * kl).margin(1e-12));
+  CHECK(t.kl == Approx(kl).margin(1e-12));
+  CHECK(t.value == Approx(1.25).margin(1e-12));
+}

@@ -1,10 +1,13 @@
 // The token track: GPT with KV cache, the sampler (replay through the training forward gives the
 // same log-probabilities), GRPO / PPO stages, and short training runs through unirl::trainer.
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
+#include <limits>
 #include <map>
 #include <memory>
+#include <optional>
 #include <fstream>
 #include <random>
 #include <sstream>
@@ -544,11 +547,16 @@ TEST_CASE("prefix sharing: the sampler prefills each prompt once and draws what 
   // the replay property still holds
   const auto lp = models::completion_logprob(m, shared, 0.9, false).first * shared.completion_mask;
   CHECK((lp - shared.old_logp).abs().max().item<double>() <= 1e-5);
-  // rows run: 3 prompt rows for the prefill, then 12 per decoded token
+  // rows run: 3 prompt rows for the prefill, then 12 per decoded step; the sampler reads whether
+  // every sequence stopped every stop_check_interval tokens, so it decodes up to the first such
+  // read after the longest completion (or to max_new_tokens)
   counting_gpt cm(m);
   torch::manual_seed(21);
   const auto counted = sample_tokens(cm, ragged_prompts(), 4, so);
-  CHECK(cm.n->cached_rows == 3 + 12 * (counted.completion_ids.size(1) - 1));
+  const auto width = counted.completion_ids.size(1);
+  const auto steps = std::min<std::int64_t>(
+      so.max_new_tokens, (width + stop_check_interval - 1) / stop_check_interval * stop_check_interval);
+  CHECK(cm.n->cached_rows == 3 + 12 * (steps - 1));
   // kv_cache::select copies rows and checks its index
   auto cache = m.make_cache(3, 8);
   m.logits_cached(torch::tensor({{1L, 2L}, {3L, 4L}, {5L, 6L}}), torch::ones({3, 2}), cache);
@@ -739,7 +747,9 @@ TEST_CASE("a GRPO step reads the device a bounded number of times: once per mini
           "[cpu][token][sync]") {
   // Host synchronisations = every `.item()` (aten::_local_scalar_dense, LibTorch's and ours) plus
   // every whole-tensor read through unirl::to_host. Before the statistics became tensors these
-  // were 78 per step with 1 minibatch and 215 with 4 (same model, prompts and sampling).
+  // were 78 per step with 1 minibatch and 215 with 4 (same model, prompts and sampling); with
+  // the statistics as tensors 24 and 31 (a stop test and multinomial's two validation reads per
+  // decoded token, a shared-prompt check and the dynamic padding per minibatch).
   const prompt_batch in{.tokens = {{2}, {3, 4}, {5}, {6, 7}}};
   auto measure = [&](std::int64_t minibatches) {
     torch::manual_seed(0);
@@ -763,10 +773,127 @@ TEST_CASE("a GRPO step reads the device a bounded number of times: once per mini
   // loss and the gradient norm), the statistics.
   CHECK(reads1 == 2 + 1);
   CHECK(reads4 == 2 + 4);
-  // What is left is the sampler's stop test per decoded token and the batch's dynamic padding
-  // per minibatch (a handful of reads each), not a read per statistic, parameter or check.
-  CHECK(items1 + reads1 <= 30);
-  CHECK(items4 + reads4 <= 40);
+  // Nothing else: the sampler draws without multinomial's validation reads and needs no stop test
+  // without stop tokens; the dynamic padding and the shared-prompt layout take the sampled
+  // batch's host lengths. What is left are two reads inside LibTorch's CPU `std` of all elements
+  // (the reward and advantage figures; none on CUDA).
+  CHECK(items1 <= 2);
+  CHECK(items4 <= 2);
+  CHECK(items1 + reads1 <= 5);
+  CHECK(items4 + reads4 <= 8);
+}
+
+TEST_CASE("sampler: stop tokens are read every stop_check_interval tokens, lengths and text in the last read",
+          "[cpu][token][sync][sampler]") {
+  torch::manual_seed(3);
+  auto m = small_gpt(8, 48);
+  m.train(false);
+  torch::NoGradGuard ng;
+  auto in = ragged_prompts();
+  in.decode = [](const std::vector<std::int64_t>& t) {
+    std::string s;
+    for (auto v : t) s += static_cast<char>('0' + v);
+    return s;
+  };
+  // 40 tokens, stop token 7 (1 in 8 per draw): the reads are the checks at 8, 16, ... until every
+  // sequence stopped, and one at the end (lengths and tokens), not one per token.
+  // Inside a deferred_checks scope, as in the trainer's step (the model's position checks wait).
+  const sampling_options so{.max_new_tokens = 40, .stop_tokens = {7}};
+  token_rollout b;
+  std::int64_t reads = 0, items = 0;
+  {
+    deferred_checks checks;
+    op_counter c;
+    const auto reads_before = host_reads();
+    b = sample_tokens(m, in, 4, so);
+    reads = host_reads() - reads_before;
+    items = c.count("aten::_local_scalar_dense");
+    CHECK_NOTHROW(checks.verify());
+  }
+  const auto width = b.completion_ids.size(1);
+  CHECK(items == 0);
+  const auto checks_made =
+      std::min<std::int64_t>(so.max_new_tokens - 1, width + stop_check_interval - 1) / stop_check_interval;
+  CHECK(reads == checks_made + 1);
+  CHECK(reads < width);  // fewer reads than decoded tokens
+  // The host lengths are the masks' row sums, the width the longest; the text stops at the stop token.
+  const auto len = b.completion_mask.sum(1).to(torch::kInt64);
+  REQUIRE(b.host_completion_lengths.size() == 12);
+  for (std::int64_t i = 0; i < 12; ++i) {
+    const auto l = len[i].item<std::int64_t>();
+    CHECK(b.host_completion_lengths[static_cast<std::size_t>(i)] == l);
+    CHECK(b.host_prompt_lengths[static_cast<std::size_t>(i)] == b.prompt_mask[i].sum().item<double>());
+    std::string expect;
+    for (std::int64_t t = 0; t < l; ++t) {
+      CHECK(b.completion_mask[i][t].item<float>() == 1.f);  // real tokens first, contiguous
+      const auto v = b.completion_ids[i][t].item<std::int64_t>();
+      if (v == 7) {
+        CHECK(t == l - 1);  // the stop token ends the completion
+        break;
+      }
+      expect += static_cast<char>('0' + v);
+    }
+    CHECK(b.completions[static_cast<std::size_t>(i)] == expect);
+  }
+  CHECK(len.max().item<std::int64_t>() == width);
+  // Without stop tokens and decoder, inside the trainer's deferred scope: no read at all.
+  in.decode = nullptr;
+  deferred_checks checks;
+  const auto before = host_reads();
+  op_counter c2;
+  const auto plain = sample_tokens(m, in, 4, {.max_new_tokens = 5});
+  CHECK(host_reads() == before);
+  CHECK(c2.count("aten::_local_scalar_dense") == 0);
+  CHECK(plain.completion_ids.size(1) == 5);
+  CHECK(!checks.empty());  // the NaN check waits for the caller's read
+  CHECK_NOTHROW(checks.verify());
+}
+
+TEST_CASE("sampler: the draw is torch::multinomial's, a NaN distribution is an error", "[cpu][token][sampler]") {
+  // The same generator state gives the same tokens as multinomial(probs, 1) on the same logits.
+  torch::manual_seed(5);
+  const auto logits = torch::randn({64, 11});
+  const auto probs = torch::softmax(logits, -1);
+  torch::manual_seed(6);
+  const auto expect = torch::multinomial(probs, 1).squeeze(1);
+  torch::manual_seed(6);
+  const auto got = probs.div(torch::empty_like(probs).exponential_(1)).argmax(-1);
+  CHECK(torch::equal(expect, got));
+  // A model whose logits are NaN: the sampler names the problem instead of drawing from it.
+  struct nan_gpt : models::gpt {
+    explicit nan_gpt(models::gpt g) : models::gpt(std::move(g)) {}
+    torch::Tensor logits_cached(const torch::Tensor& ids, const torch::Tensor& mask, cache_type& c) const {
+      return models::gpt::logits_cached(ids, mask, c) * std::numeric_limits<float>::quiet_NaN();
+    }
+    nan_gpt clone() const { return *this; }
+  };
+  torch::manual_seed(7);
+  nan_gpt bad{small_gpt()};
+  torch::NoGradGuard ng;
+  CHECK_THROWS_WITH(sample_tokens(bad, ragged_prompts(), 2, {.max_new_tokens = 3}), Catch::Contains("NaN"));
+}
+
+TEST_CASE("token_rollout::trimmed from the host lengths equals batch::trim from the masks", "[cpu][token][batch]") {
+  torch::manual_seed(8);
+  auto m = small_gpt();
+  m.train(false);
+  torch::NoGradGuard ng;
+  const auto b = sample_tokens(m, ragged_prompts(), 4, {.max_new_tokens = 9, .stop_tokens = {0, 1}});
+  REQUIRE(b.has_host_lengths());
+  for (int rep = 0; rep < 5; ++rep) {
+    const auto mb = b.select(torch::randperm(12, torch::kInt64).slice(0, 0, 3));  // a host index
+    REQUIRE(mb.has_host_lengths());
+    const auto fast = mb.trimmed();
+    const auto reads_before = host_reads();
+    const auto slow = batch::trim(mb);  // reads the masks
+    CHECK(host_reads() == reads_before + 1);
+    CHECK(torch::equal(fast.prompt_ids, slow.prompt_ids));
+    CHECK(torch::equal(fast.prompt_mask, slow.prompt_mask));
+    CHECK(torch::equal(fast.completion_ids, slow.completion_ids));
+    CHECK(torch::equal(fast.completion_mask, slow.completion_mask));
+    CHECK(torch::equal(fast.old_logp, slow.old_logp));
+    CHECK(fast.host_completion_lengths == mb.host_completion_lengths);
+  }
 }
 
 TEST_CASE("trainer: settings that cannot work are rejected at construction, naming the option",
@@ -837,4 +964,564 @@ TEST_CASE("trainer: a prompt too long for the context fails before any model wor
   // 4 + 12 = 16 fills the context exactly: the model takes it (its own position check agrees)
   CHECK_NOTHROW(t.step(fits));
   CHECK(t.step_count() == 1);
+}
+
+TEST_CASE("float64 end to end: a GRPO step on a float64 GPT keeps float64 and gives the hand-computed loss",
+          "[cpu][token][grpo][f64]") {
+  torch::manual_seed(21);
+  auto model = small_gpt();
+  model.net()->to(torch::kDouble);
+  auto ms = set_of(std::move(model));
+  ms.reference.emplace(ms.policy.clone());
+  algo::grpo<> g({.clip_high = 0.28, .kl_coef = 0.05, .sampling = {.max_new_tokens = 4}});  // k3, seq_mean_token_mean
+  const step_info info{0, 4};  // updates unknown: pi_old is recomputed right after sampling
+  auto b = g.sample(ms, ragged_prompts(), info);
+  REQUIRE(b.old_logp.scalar_type() == torch::kDouble);
+  REQUIRE(b.ref_logp.scalar_type() == torch::kDouble);
+  // float32 rewards, float64 model: the advantages take the wider type.
+  const auto rewards = torch::tensor({0.1f, 0.7f, 0.3f, 0.9f, 1.f, 0.f, 0.f, 1.f, 0.5f, 0.5f, 0.5f, 0.5f});
+  const auto adv = g.advantage(ms, b, rewards, info);
+  REQUIRE(adv.scalar_type() == torch::kDouble);
+  REQUIRE(b.advantages.scalar_type() == torch::kDouble);
+  // GRPO advantages by hand: (r - mean_g) / (unbiased std_g + 1e-6), exactly 0 for an all-equal group.
+  std::vector<double> a_hand(12, 0.0);
+  for (int grp = 0; grp < 3; ++grp) {
+    double mean = 0, var = 0;
+    for (int i = 0; i < 4; ++i) mean += rewards[grp * 4 + i].item<double>() / 4;
+    for (int i = 0; i < 4; ++i) var += std::pow(rewards[grp * 4 + i].item<double>() - mean, 2) / 3;
+    if (var == 0) continue;
+    for (int i = 0; i < 4; ++i) a_hand[grp * 4 + i] = (rewards[grp * 4 + i].item<double>() - mean) / (std::sqrt(var) + 1e-6);
+  }
+  const auto a_expect = torch::tensor(a_hand, torch::kDouble);
+  CHECK((adv - a_expect).abs().max().item<double>() <= 1e-12);
+  CHECK((b.advantages - a_expect.unsqueeze(1) * b.completion_mask).abs().max().item<double>() <= 1e-12);
+
+  {  // move the policy off pi_old so that the clip and the KL matter
+    torch::NoGradGuard ng;
+    for (auto& p : ms.policy.parameters()) p.add_(0.05 * torch::randn_like(p));
+  }
+  const auto t = g.loss(ms, b, info);
+  REQUIRE(t.total.scalar_type() == torch::kDouble);
+  {
+    // The loss by hand: token log-probs from the model's logits through LibTorch's log_softmax (not
+    // our log-prob op), then the GRPO formula in plain doubles.
+    torch::NoGradGuard ng;
+    const auto P = b.prompt_ids.size(1), T = b.completion_ids.size(1), B = b.size();
+    const auto ids = torch::cat({b.prompt_ids, b.completion_ids}, 1), msk = torch::cat({b.prompt_mask, b.completion_mask}, 1);
+    const auto logits = ms.policy.logits(ids.slice(1, 0, P + T - 1), msk.slice(1, 0, P + T - 1)).slice(1, P - 1, P + T - 1);
+    REQUIRE(logits.scalar_type() == torch::kDouble);
+    const auto lp = torch::log_softmax(logits, -1).gather(2, b.completion_ids.unsqueeze(2)).squeeze(2).contiguous();
+    const auto lpa = lp.accessor<double, 2>();
+    const auto old = b.old_logp.contiguous(), ref = b.ref_logp.contiguous();
+    const auto olda = old.accessor<double, 2>(), refa = ref.accessor<double, 2>();
+    const auto m = b.completion_mask.contiguous();
+    const auto ma = m.accessor<float, 2>();
+    double policy = 0, kl = 0, clipped = 0, tokens = 0;
+    for (std::int64_t i = 0; i < B; ++i) {
+      double ps = 0, ks = 0, n = 0;
+      for (std::int64_t j = 0; j < T; ++j) {
+        if (ma[i][j] == 0.f) continue;
+        const double A = a_hand[static_cast<std::size_t>(i)], rho = std::exp(lpa[i][j] - olda[i][j]);
+        const double unclipped = -A * rho, clip = -A * std::clamp(rho, 0.8, 1.28);
+        ps += std::max(unclipped, clip);
+        clipped += clip > unclipped ? 1 : 0;
+        const double l = std::clamp(lpa[i][j] - refa[i][j], -20.0, 20.0);
+        ks += std::min(std::exp(-l) - 1 + l, 10.0);
+        n += 1;
+      }
+      policy += n > 0 ? ps / n / static_cast<double>(B) : 0.0;
+      kl += n > 0 ? ks / n / static_cast<double>(B) : 0.0;
+      tokens += n;
+    }
+    CHECK(t.policy == Approx(policy).margin(1e-12));
+    CHECK(t.kl == Approx(kl).margin(1e-12));
+    CHECK(t.total.item<double>() == Approx(policy + 0.05 * kl).margin(1e-12));
+    CHECK(t.clip_fraction == Approx(clipped / tokens).margin(1e-12));
+    CHECK(kl > 0.0);
+  }
+
+  // And a whole trainer step on a float64 model: the weights stay float64, the figures are finite.
+  torch::manual_seed(22);
+  auto m2 = small_gpt();
+  m2.net()->to(torch::kDouble);
+  trainer<models::gpt, algo::grpo<>, count_target> tr{
+      std::move(m2), count_target{},
+      {.algorithm = {.kl_coef = 0.05, .sampling = {.max_new_tokens = 4}}, .group_size = 4, .seed = 3, .progress = false}};
+  const auto s = tr.step(prompt_batch{.tokens = {{2}, {3, 4}}});
+  CHECK(std::isfinite(s.loss));
+  CHECK(s.optimizer_steps == 1);
+  for (const auto& p : tr.models().policy.parameters()) CHECK(p.scalar_type() == torch::kDouble);
+}
+
+// ---- Mixed precision and gradient accumulation (issue 12) ----------------------------------
+
+namespace {
+// count_target that also keeps the last rollout it scored (the batch the update trained on).
+struct recording_target {
+  std::shared_ptr<std::optional<token_rollout>> last = std::make_shared<std::optional<token_rollout>>();
+  torch::Tensor operator()(const token_rollout& b) const {
+    *last = b;
+    return count_target{}(b);
+  }
+};
+std::vector<torch::Tensor> weights_of(const models::gpt& m) {
+  std::vector<torch::Tensor> w;
+  for (const auto& p : m.parameters()) w.push_back(p.detach().clone());
+  return w;
+}
+double max_abs_diff(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {
+  double d = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) d = std::max(d, (a[i] - b[i]).abs().max().item<double>());
+  return d;
+}
+// One trainer step of algorithm A from a copy of `init`; returns the statistics and the weights after it.
+template <class A>
+std::pair<step_stats, std::vector<torch::Tensor>> one_step(const models::gpt& init,
+                                                           typename trainer<models::gpt, A, recording_target>::options o,
+                                                           const recording_target& r = {}) {
+  trainer<models::gpt, A, recording_target> t{init.clone(), r, o};
+  const auto s = t.step(prompt_batch{.tokens = {{2}, {3, 4}, {5}}});
+  return {s, weights_of(t.models().policy)};
+}
+}  // namespace
+
+TEST_CASE("gradient accumulation: micro-batches give the whole minibatch's loss, gradients and update in every "
+          "loss_agg mode (GRPO and PPO)",
+          "[cpu][token][accumulation]") {
+  torch::manual_seed(40);
+  const auto init = small_gpt();
+  // lr / eps = 1 with eps >> |g|: AdamW's first step moves every weight by ~ -g (elementwise), so
+  // equal updates mean equal gradients, not only equal signs.
+  const train::optimizer_options sgd_like{.lr = 1e6, .eps = 1e6};
+  const sampling_options samp{.max_new_tokens = 6, .stop_tokens = {0}};
+  for (const auto agg : {algo::loss_agg::token_mean, algo::loss_agg::seq_mean_token_mean,
+                         algo::loss_agg::seq_mean_token_sum_norm}) {
+    for (const std::int64_t micro : {1, 5}) {
+      DYNAMIC_SECTION("agg " << enum_to_string(agg) << ", micro_batch_size " << micro) {
+        {  // GRPO, with a KL term and an entropy bonus so that every term of the loss is accumulated
+          using A = algo::grpo<>;
+          typename trainer<models::gpt, A, recording_target>::options o{
+              .algorithm = {.kl_coef = 0.05, .agg = agg, .ent_coef = 0.01, .sampling = samp},
+              .optim = sgd_like, .group_size = 4, .seed = 5, .progress = false};
+          const auto [full, w_full] = one_step<A>(init, o);
+          o.micro_batch_size = micro;
+          const auto [acc, w_acc] = one_step<A>(init, o);
+          CHECK(acc.loss == Approx(full.loss).epsilon(1e-5).margin(1e-7));
+          CHECK(acc.grad_norm == Approx(full.grad_norm).epsilon(1e-5));
+          CHECK(acc.entropy == Approx(full.entropy).epsilon(1e-5));
+          const double moved = max_abs_diff(w_full, weights_of(init));
+          CHECK(moved > 1e-3);
+          CHECK(max_abs_diff(w_acc, w_full) <= 1e-4 * moved);
+        }
+        {  // PPO (critic, value loss, advantages whitened over the whole minibatch)
+          using A = algo::ppo<>;
+          typename trainer<models::gpt, A, recording_target>::options o{
+              .algorithm = {.agg = agg, .track = {.sampling = samp}},
+              .optim = sgd_like, .group_size = 4, .seed = 6, .progress = false};
+          const auto [full, w_full] = one_step<A>(init, o);
+          o.micro_batch_size = micro;
+          const auto [acc, w_acc] = one_step<A>(init, o);
+          CHECK(acc.loss == Approx(full.loss).epsilon(1e-5).margin(1e-7));
+          CHECK(acc.value_loss == Approx(full.value_loss).epsilon(1e-5).margin(1e-7));
+          CHECK(acc.grad_norm == Approx(full.grad_norm).epsilon(1e-5));
+          const double moved = max_abs_diff(w_full, weights_of(init));
+          CHECK(moved > 1e-3);
+          CHECK(max_abs_diff(w_acc, w_full) <= 1e-4 * moved);
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("gradient accumulation: the token-mean normaliser is the whole minibatch's, not each micro-batch's",
+          "[cpu][token][accumulation]") {
+  torch::manual_seed(41);
+  const auto init = small_gpt();
+  using A = algo::grpo<>;
+  recording_target rec;
+  typename trainer<models::gpt, A, recording_target>::options o{
+      .algorithm = {.agg = algo::loss_agg::token_mean, .sampling = {.max_new_tokens = 8, .stop_tokens = {0, 1}}},
+      .group_size = 4, .seed = 9, .progress = false};
+  const auto [full, w_full] = one_step<A>(init, o, rec);
+  o.micro_batch_size = 4;  // three micro-batches of four completions
+  const auto [acc, w_acc] = one_step<A>(init, o);
+  REQUIRE(rec.last->has_value());
+  token_rollout b = **rec.last;  // the batch both runs trained on (same seed, same sampler)
+  const auto counts = b.completion_mask.sum(1).view({3, 4}).sum(1);  // valid tokens per micro-batch
+  INFO("tokens per micro-batch: " << counts);
+  REQUIRE(counts.max().item<double>() >= 1.5 * counts.min().item<double>());  // very different token counts
+
+  CHECK(acc.loss == Approx(full.loss).epsilon(1e-6).margin(1e-7));
+  CHECK(max_abs_diff(w_acc, w_full) <= 1e-6);
+
+  // What per-micro-batch normalisation (each micro-batch's own token count, micro losses averaged)
+  // gives on the same batch and initial weights: far from the whole minibatch's loss.
+  auto ms = set_of(init.clone());
+  A alg(o.algorithm);
+  const step_info info{0, 4, torch::kCPU, nullptr, 1, nullptr};
+  alg.advantage(ms, b, count_target{}(b), info);
+  const double whole = alg.loss(ms, b, info).total.item<double>();
+  double per_micro = 0;
+  for (std::int64_t i = 0; i < 3; ++i)
+    per_micro += alg.loss(ms, b.select(torch::arange(4 * i, 4 * i + 4, torch::kInt64)), info).total.item<double>() / 3;
+  CHECK(whole == Approx(full.loss).epsilon(1e-5).margin(1e-7));
+  CHECK(std::abs(per_micro - whole) > 1e-3 + 1e-3 * std::abs(whole));
+}
+
+TEST_CASE("mixed precision: a bf16 forward gives float32 log-probs and losses close to float32's", "[cpu][token][precision]") {
+  torch::manual_seed(42);
+  auto ms = set_of(small_gpt());
+  algo::grpo<> alg({.kl_coef = 0.0, .ent_coef = 0.1, .reuse_on_policy_logp = false,
+                    .sampling = {.max_new_tokens = 6}});
+  const step_info info{0, 4, torch::kCPU, nullptr, 2, nullptr};  // two updates: pi_old from sampling (fp32)
+  token_rollout b = alg.sample(ms, prompt_batch{.tokens = {{2}, {3, 4}, {5}}}, info);
+  alg.advantage(ms, b, count_target{}(b), info);
+  auto grads = [&](bool bf16) {
+    for (auto& p : ms.policy.parameters()) p.mutable_grad() = torch::Tensor();
+    loss_terms t;
+    {
+      autocast_scope amp(torch::kCPU, bf16 ? precision::bf16 : precision::fp32);
+      t = alg.loss(ms, b, info);
+      CHECK(t.total.scalar_type() == torch::kFloat);  // the loss is accumulated in float32
+      const auto lp = rollout::update_logprob(ms.policy, b.trimmed(), 1.0, false, rollout::update_layout::padded).first;
+      CHECK(lp.scalar_type() == torch::kFloat);       // log-probs from float32 logits
+    }
+    t.total.backward();
+    std::vector<torch::Tensor> g;
+    for (auto& p : ms.policy.parameters()) {
+      CHECK(p.scalar_type() == torch::kFloat);
+      CHECK(p.grad().scalar_type() == torch::kFloat);  // gradients land on the float32 master weights
+      g.push_back(p.grad().reshape({-1}).clone());
+    }
+    return std::pair{t.total.item<double>(), torch::cat(g)};
+  };
+  const auto [l32, g32] = grads(false);
+  const auto [l16, g16] = grads(true);
+  CHECK(!unirl::detail::compat::autocast_state(c10::DeviceType::CPU).first);  // the scope restored the state
+  CHECK(l16 == Approx(l32).epsilon(2e-2).margin(2e-3));
+  const double cos = (g16 * g32).sum().item<double>() / (g16.norm() * g32.norm()).item<double>();
+  CHECK(cos > 0.99);
+  CHECK((g16 - g32).norm().item<double>() > 0.0);  // the bf16 path really ran in bfloat16
+}
+
+TEST_CASE("mixed precision: bf16 trainer steps keep float32 master weights and optimizer state", "[cpu][token][precision]") {
+  torch::manual_seed(43);
+  using T = trainer<models::gpt, algo::ppo<>, count_target>;
+  T t{small_gpt(), count_target{},
+      {.algorithm = {.track = {.sampling = {.max_new_tokens = 5}}}, .optim = {.lr = 1e-3}, .precision = precision::bf16,
+       .group_size = 4, .seed = 2, .progress = false}};
+  const auto before = weights_of(t.models().policy);
+  for (int i = 0; i < 2; ++i) {
+    const auto s = t.step(prompt_batch{.tokens = {{2}, {3, 4}}});
+    CHECK(std::isfinite(s.loss));
+    CHECK(s.optimizer_steps == 1);
+    CHECK(s.extra.count("loss_scale") == 0);  // bf16 needs no loss scaling
+  }
+  CHECK(max_abs_diff(weights_of(t.models().policy), before) > 0.0);
+  for (const auto& p : t.optimizer().parameters()) CHECK(p.scalar_type() == torch::kFloat);
+  std::size_t states = 0;
+  for (const auto& [k, st] : t.optimizer().torch_optimizer().state()) {
+    (void)k;
+    const auto& a = static_cast<const torch::optim::AdamWParamState&>(*st);
+    CHECK(a.exp_avg().scalar_type() == torch::kFloat);
+    CHECK(a.exp_avg_sq().scalar_type() == torch::kFloat);
+    ++states;
+  }
+  CHECK(states == t.optimizer().parameters().size());
+  // fp16 on this machine's CPU: supported from LibTorch 2.4 on; before, a config_error naming the key.
+  if (!unirl::detail::compat::cpu_autocast_supports(torch::kHalf))
+    CHECK_THROWS_WITH((T{small_gpt(), count_target{}, {.precision = precision::fp16, .group_size = 4}}),
+                      Catch::Contains("option 'precision'") && Catch::Contains("bf16"));
+}
+
+TEST_CASE("loss scaling: an injected inf gradient halves the scale and skips the step; good steps grow it; "
+          "a power-of-two scale changes nothing else",
+          "[cpu][token][precision]") {
+  using T = trainer<models::gpt, algo::grpo<>, count_target>;
+  const prompt_batch in{.tokens = {{2}, {3, 4}}};
+  torch::manual_seed(44);
+  const auto init = small_gpt();
+  T::options o{.algorithm = {.sampling = {.max_new_tokens = 5}}, .optim = {.lr = 1e-2}, .group_size = 4, .seed = 8,
+               .progress = false};
+  o.loss_scale = {.mode = train::loss_scaling::on, .init_scale = 1024, .growth_interval = 2};
+  T t{init.clone(), count_target{}, o};
+  auto inject = std::make_shared<bool>(true);
+  t.models().policy.parameters().front().register_hook([inject](const torch::Tensor& g) {
+    return *inject ? g * std::numeric_limits<float>::infinity() : g;
+  });
+  const auto before = weights_of(t.models().policy);
+  const auto s0 = t.step(in);
+  CHECK(s0.skipped_updates == 1);
+  CHECK(s0.optimizer_steps == 0);
+  CHECK(s0.extra.at("loss_scale") == 512.0);                      // halved
+  CHECK(max_abs_diff(weights_of(t.models().policy), before) == 0.0);  // unchanged
+  *inject = false;
+  const auto s1 = t.step(in);
+  CHECK(s1.optimizer_steps == 1);
+  CHECK(s1.extra.at("loss_scale") == 512.0);   // one good step
+  const auto s2 = t.step(in);
+  CHECK(s2.extra.at("loss_scale") == 1024.0);  // growth_interval = 2 good steps: doubled
+  CHECK(s2.skipped_total == 1);
+
+  // Scaling by 2^k and unscaling is exact in binary floating point: the same weights bit for bit
+  // as the unscaled run.
+  auto run = [&](train::loss_scaling mode) {
+    T::options p = o;
+    p.loss_scale = {.mode = mode, .init_scale = 65536};
+    T u{init.clone(), count_target{}, p};
+    for (int i = 0; i < 2; ++i) u.step(in);
+    return weights_of(u.models().policy);
+  };
+  CHECK(max_abs_diff(run(train::loss_scaling::on), run(train::loss_scaling::off)) == 0.0);
+}
+
+TEST_CASE("CUDA: bf16 and fp16 (dynamic loss scaling) trainer steps with float32 master weights", "[cuda][token][precision]") {
+  if (!torch::cuda::is_available()) {
+    WARN("no CUDA device");
+    return;
+  }
+  for (const auto p : {precision::bf16, precision::fp16}) {
+    torch::manual_seed(45);
+    trainer<models::gpt, algo::grpo<>, count_target> t{
+        small_gpt(), count_target{},
+        {.algorithm = {.sampling = {.max_new_tokens = 5}}, .precision = p, .group_size = 4, .seed = 1,
+         .device = "cuda", .progress = false}};
+    for (int i = 0; i < 3; ++i) {
+      const auto s = t.step(prompt_batch{.tokens = {{2}, {3, 4}}});
+      CHECK(std::isfinite(s.loss));
+      if (p == precision::fp16) CHECK(s.extra.at("loss_scale") > 0.0);
+    }
+    for (const auto& q : t.models().policy.parameters()) CHECK(q.scalar_type() == torch::kFloat);
+  }
+}
+
+// ---- supervised fine-tuning (train/sft.hpp, train/supervised.hpp) ---------------------------
+#include <unirl/train/sft.hpp>
+
+namespace {
+// A bigram LM with a known logit table: the logits at a position are row `ids[t]` of W (V, V),
+// whatever came before, so the cross-entropy can be written down by hand.
+class bigram_netImpl : public torch::nn::Cloneable<bigram_netImpl> {
+ public:
+  explicit bigram_netImpl(torch::Tensor w) : w0_(std::move(w)) { reset(); }
+  void reset() override { w = register_parameter("w", w0_.clone()); }
+  torch::Tensor w;
+
+ private:
+  torch::Tensor w0_;
+};
+TORCH_MODULE(bigram_net);
+
+struct bigram_lm : models::module_adapter<bigram_lm, bigram_net> {
+  using track = token_track;
+  struct cache_type {};
+  using module_adapter::module_adapter;
+  torch::Tensor logits(const torch::Tensor& ids, const torch::Tensor&) const {
+    return net()->w.index_select(0, ids.reshape({-1})).view({ids.size(0), ids.size(1), -1});
+  }
+  torch::Tensor logits_packed(const torch::Tensor& ids, const torch::Tensor&, const torch::Tensor&) const {
+    return logits(ids, ids);
+  }
+  cache_type make_cache(std::int64_t, std::int64_t) const { return {}; }
+  torch::Tensor logits_cached(const torch::Tensor& ids, const torch::Tensor& m, cache_type&) const { return logits(ids, m); }
+  std::int64_t vocab_size() const { return net()->w.size(0); }
+};
+static_assert(PackedCausalLM<bigram_lm>);
+
+double bigram_w(std::int64_t i, std::int64_t j) { return 0.3 * static_cast<double>(i) - 0.2 * static_cast<double>(j) + (i == j ? 0.5 : 0.0) + 0.05 * static_cast<double>(i * j % 3); }
+}  // namespace
+
+TEST_CASE("sft_loss is the cross-entropy of the completion tokens only, on known logits", "[cpu][sft]") {
+  constexpr std::int64_t V = 6;
+  auto w = torch::empty({V, V}, torch::kFloat);
+  for (std::int64_t i = 0; i < V; ++i)
+    for (std::int64_t j = 0; j < V; ++j) w[i][j] = bigram_w(i, j);
+  bigram_lm model{bigram_net(w)};
+  const std::vector<std::vector<std::int64_t>> prompts{{1, 2, 3}, {4}, {0, 5}}, answers{{5, 0}, {2, 2, 3, 1}, {4}};
+  // By hand: -log softmax(W[prev])[next] over the completion tokens only (prev: the token before).
+  double sum = 0;
+  std::int64_t n = 0;
+  for (std::size_t s = 0; s < prompts.size(); ++s) {
+    std::vector<std::int64_t> seq = prompts[s];
+    seq.insert(seq.end(), answers[s].begin(), answers[s].end());
+    for (std::size_t k = prompts[s].size(); k < seq.size(); ++k) {
+      const auto prev = seq[k - 1], next = seq[k];
+      double z = 0;
+      for (std::int64_t j = 0; j < V; ++j) z += std::exp(bigram_w(prev, j));
+      sum += -(bigram_w(prev, next) - std::log(z));
+      ++n;
+    }
+  }
+  const auto b = train::make_sft_batch(prompts, answers, /*pad_id=*/0);
+  CHECK(b.tokens() == 7);
+  CHECK(n == 7);
+  CHECK(train::sft_loss(model, b).item<double>() == Approx(sum / 7.0).epsilon(1e-6));
+  CHECK(train::sft_loss(model, b, train::sft_layout::packed).item<double>() == Approx(sum / 7.0).epsilon(1e-6));
+  // The prompt is context only: changing a prompt token that predicts nothing of the completion
+  // (the first of a 3-token prompt) leaves the loss unchanged; the padding id does not matter.
+  const auto b2 = train::make_sft_batch({{4, 2, 3}, {4}, {3, 5}}, answers, /*pad_id=*/5);
+  CHECK(train::sft_loss(model, b2).item<double>() == Approx(sum / 7.0).epsilon(1e-6));
+  // Gradient: only the rows of W that predict a completion token get one.
+  auto loss = train::sft_loss(model, b);
+  loss.backward();
+  const auto g = model.net()->w.grad().abs().sum(1);
+  CHECK(g[1].item<double>() == 0.0);  // 1 predicts 2, a prompt token
+  CHECK(g[3].item<double>() > 0.0);   // 3 predicts 5 (completion) and 1 (completion)
+  CHECK(g[5].item<double>() > 0.0);
+  CHECK_THROWS_WITH(train::sft_loss(model, train::sft_batch{b.ids, b.mask, b.mask}),
+                    Catch::Contains("expected (B, L), (B, L) and (B, L-1)"));
+}
+
+TEST_CASE("sft_loss: packed and padded batches give the same loss and gradients", "[cpu][sft]") {
+  torch::manual_seed(3);
+  auto model = small_gpt(11, 24);
+  const std::vector<std::vector<std::int64_t>> prompts{{1, 2, 3, 4, 5}, {6}, {7, 8}, {9, 1, 2}},
+      answers{{3}, {4, 5, 6, 7, 8, 9}, {10, 1}, {2, 3, 4}};
+  const auto b = train::make_sft_batch(prompts, answers, /*pad_id=*/0);
+  auto grads = [&](train::sft_layout layout) {
+    for (auto& p : model.parameters()) p.mutable_grad() = torch::Tensor();
+    auto loss = train::sft_loss(model, b, layout);
+    loss.backward();
+    std::vector<torch::Tensor> g;
+    for (auto& p : model.parameters()) g.push_back(p.grad().clone());
+    return std::pair{loss.item<double>(), g};
+  };
+  const auto [padded, gp] = grads(train::sft_layout::padded);
+  const auto [packed, gk] = grads(train::sft_layout::packed);
+  CHECK(packed == Approx(padded).epsilon(1e-6));
+  for (std::size_t i = 0; i < gp.size(); ++i) CHECK(torch::allclose(gp[i], gk[i], 1e-4, 1e-6));
+  // Each sequence alone (no padding at all), token-weighted: the same mean.
+  double total = 0;
+  for (std::size_t i = 0; i < prompts.size(); ++i)
+    total += train::sft_loss(model, train::make_sft_batch({prompts[i]}, {answers[i]}, 0)).item<double>() *
+             static_cast<double>(answers[i].size());
+  CHECK(padded == Approx(total / 12.0).epsilon(1e-5));  // 1 + 6 + 2 + 3 completion tokens
+}
+
+TEST_CASE("sft_trainer: resume from a checkpoint is bit-identical", "[cpu][sft]") {
+  namespace fs = std::filesystem;
+  const auto dir = fs::temp_directory_path() / ("unirl_sft_" + std::to_string(std::random_device{}()));
+  fs::create_directories(dir);
+  // Batches drawn from LibTorch's generator: the checkpoint's generator state must bring them back.
+  auto next = [](std::int64_t n) {
+    const auto p = torch::randint(1, 11, {n, 3}, torch::kInt64), c = torch::randint(1, 11, {n, 2}, torch::kInt64);
+    std::vector<std::vector<std::int64_t>> ps, cs;
+    for (std::int64_t i = 0; i < n; ++i) {
+      ps.push_back({p[i][0].item<std::int64_t>(), p[i][1].item<std::int64_t>(), p[i][2].item<std::int64_t>()});
+      cs.push_back({c[i][0].item<std::int64_t>(), c[i][1].item<std::int64_t>()});
+    }
+    return train::make_sft_batch(ps, cs, 0);
+  };
+  using sft_t = train::sft_trainer<models::gpt>;
+  const sft_t::options o{.optim = {.lr = 3e-3, .weight_decay = 0.01},
+                         .schedule = {.kind = train::schedule_kind::cosine, .warmup_steps = 2},
+                         .clip = {.max_grad_norm = 0.5},
+                         .batch_size = 8,
+                         .steps = 6,
+                         .seed = 7,
+                         .progress = false};
+  torch::manual_seed(1);
+  sft_t straight(small_gpt(11, 16), o);
+  std::vector<double> losses;
+  for (int i = 0; i < 6; ++i) losses.push_back(straight.step(next(8)).loss);
+
+  // Through run(): 3 steps into a run directory, then a fresh trainer (other weights) resumes to 6.
+  auto first = o;
+  first.steps = 3;
+  first.out = (dir / "run").string();
+  first.metrics_path = (dir / "metrics.jsonl").string();
+  torch::manual_seed(1);
+  sft_t a(small_gpt(11, 16), first);
+  const auto ra = a.run(next);
+  CHECK(ra.steps == 3);
+  CHECK_FALSE(ra.resumed);
+  CHECK(fs::exists(dir / "run" / "checkpoints" / "step-00000003.pt"));
+  auto second = first;
+  second.steps = 6;
+  torch::manual_seed(99);
+  sft_t b(small_gpt(11, 16), second);
+  std::vector<double> resumed_losses;
+  const auto rb = b.run([&](std::int64_t n) { return next(n); });
+  CHECK(rb.resumed);
+  CHECK(rb.first_step == 3);
+  CHECK(rb.steps == 3);
+  CHECK(rb.loss_last == losses[5]);
+  const auto pa = straight.model().parameters(), pb = b.model().parameters();
+  REQUIRE(pa.size() == pb.size());
+  for (std::size_t i = 0; i < pa.size(); ++i) CHECK(torch::equal(pa[i], pb[i]));
+  // metrics.jsonl: one row per step, the resumed process appending.
+  const auto rows = train::read_metrics(first.metrics_path);
+  REQUIRE(rows.size() == 6);
+  CHECK(rows[5]["step"] == 5);
+  CHECK(rows[5]["loss"].get<double>() == losses[5]);
+  CHECK(rows[0]["tokens"] == 16);
+  CHECK(rows[0]["grad_norm"].get<double>() > 0.0);
+  // A finished run loads and trains no more (a cache); another stage's checkpoint is refused.
+  sft_t c(small_gpt(11, 16), second);
+  CHECK(c.run(next).steps == 0);
+  CHECK(c.step_count() == 6);
+  CHECK_THROWS_WITH(c.load((dir / "missing.pt").string()), Catch::Contains("no such file"));
+  fs::remove_all(dir);
+}
+
+TEST_CASE("sft_trainer: a short run learns single-digit addition", "[cpu][sft]") {
+  // Prompt "a+b=" and completion "<sum>." over a 13-symbol vocabulary, every pair 0..9.
+  const std::string alphabet = "0123456789+=.";
+  auto enc = [&](const std::string& s) {
+    std::vector<std::int64_t> v;
+    for (char ch : s) v.push_back(static_cast<std::int64_t>(alphabet.find(ch)) + 1);  // 0: padding
+    return v;
+  };
+  std::vector<std::vector<std::int64_t>> prompts, answers;
+  for (int a = 0; a < 10; ++a)
+    for (int b = 0; b < 10; ++b) {
+      prompts.push_back(enc(std::to_string(a) + "+" + std::to_string(b) + "="));
+      answers.push_back(enc(std::to_string(a + b) + "."));
+    }
+  train::sft_dataset data(prompts, answers, 0, /*seed=*/1);
+  const auto all = train::make_sft_batch(prompts, answers, 0);
+  torch::manual_seed(0);
+  auto model = models::gpt(models::gpt_options{.vocab_size = 14, .max_len = 8, .n_layer = 1, .n_head = 2, .d_model = 32});
+  train::sft_trainer<models::gpt> t(model, {.optim = {.lr = 1e-2},
+                                            .schedule = {.kind = train::schedule_kind::cosine, .warmup_steps = 10},
+                                            .batch_size = 25,
+                                            .steps = data.steps_for(60, 25),
+                                            .progress = false});
+  const double before = train::sft_loss(model, all).item<double>();
+  const auto r = t.run([&](std::int64_t n) { return data.next(n); }, nullptr, data);
+  CHECK(r.steps == 240);
+  CHECK(data.epoch() == 59);
+  const double after = train::sft_loss(model, all).item<double>();
+  INFO("loss on all 100 problems: " << before << " -> " << after);
+  CHECK(before > 2.0);          // about log(14) at the start
+  CHECK(after < 0.25 * before);
+}
+
+// Not run by default (hidden tag): figures for docs/training.md. Run one section per process so
+// that each has its own peak resident memory:
+//   unit_token "[bench][precision]" -c fp32    /    -c bf16
+TEST_CASE("bench: one GRPO step of a small GPT in fp32 and bf16 (time, peak memory)", "[.][bench][precision]") {
+  auto run = [](precision p) {
+    torch::manual_seed(46);
+    models::gpt m(models::gpt_options{.vocab_size = 512, .max_len = 192, .n_layer = 4, .n_head = 4, .d_model = 256});
+    trainer<models::gpt, algo::grpo<>, count_target> t{
+        std::move(m), count_target{},
+        {.algorithm = {.sampling = {.max_new_tokens = 128}}, .precision = p, .group_size = 8, .seed = 1,
+         .progress = false}};
+    prompt_batch in;
+    for (std::int64_t i = 0; i < 4; ++i) in.tokens.push_back(std::vector<std::int64_t>(32, 2 + i));
+    t.step(in);  // warm-up
+    double update = 0, sample = 0, peak = 0;
+    const int n = 3;
+    for (int i = 0; i < n; ++i) {
+      const auto s = t.step(in);
+      update += s.time_update / n;
+      sample += s.time_sample / n;
+      if (s.extra.count("memory/update_peak_mb")) peak = std::max(peak, s.extra.at("memory/update_peak_mb"));
+    }
+    std::cout << enum_to_string(p) << ": update " << update << " s, sample " << sample << " s, update peak RSS "
+              << peak << " MB\n";
+  };
+  SECTION("fp32") { run(precision::fp32); }
+  SECTION("bf16") { run(precision::bf16); }
 }

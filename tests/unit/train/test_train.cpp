@@ -16,6 +16,7 @@
 #include <unirl/train/checkpoint.hpp>
 #include <unirl/train/clip.hpp>
 #include <unirl/train/guard.hpp>
+#include <unirl/train/loss_scaler.hpp>
 #include <unirl/train/metrics.hpp>
 #include <unirl/train/optimizer.hpp>
 #include <unirl/train/plot.hpp>
@@ -838,3 +839,41 @@ TEST_CASE("plots without stb fail with a clear message", "[cpu][train]") {
   CHECK_THAT(error_of([] { tr::plot_series("x.png", {{"a", {0, 1}, {0, 1}}}, "t"); }), Contains("without stb"));
 }
 #endif
+
+TEST_CASE("loss_scaler: backoff on a non-finite step, growth after growth_interval good ones, exact unscale, "
+          "state round trip",
+          "[cpu][train][precision]") {
+  unirl::train::loss_scaler s({.init_scale = 1024.0, .growth_factor = 2.0, .backoff_factor = 0.5,
+                               .growth_interval = 3, .min_scale = 128.0});
+  // scale(): loss * 1024; unscale(): gradients / 1024 (powers of two: exact).
+  auto w = torch::tensor({0.3f, -1.7f}, torch::requires_grad());
+  s.scale((w * w).sum()).backward();
+  s.unscale({w});
+  CHECK(torch::equal(w.grad(), torch::tensor({0.6f, -3.4f})));
+  CHECK(s.update(false) == 512.0);   // overflow: halved, count restarted
+  CHECK(s.update(true) == 512.0);
+  CHECK(s.update(true) == 512.0);
+  CHECK(s.good_steps() == 2);
+  CHECK(s.update(false) == 256.0);   // a non-finite step restarts the count
+  CHECK(s.good_steps() == 0);
+  CHECK(s.update(true) == 256.0);
+  CHECK(s.update(true) == 256.0);
+  CHECK(s.update(true) == 512.0);    // third good step in a row: doubled
+  CHECK(s.good_steps() == 0);
+  CHECK(s.update(false) == 256.0);
+  CHECK(s.update(false) == 128.0);
+  CHECK(s.update(false) == 128.0);   // never below min_scale
+  s.update(true);
+  torch::serialize::OutputArchive out;
+  s.save(out);
+  std::stringstream buf;
+  out.save_to(buf);
+  torch::serialize::InputArchive in;
+  in.load_from(buf);
+  unirl::train::loss_scaler r({.init_scale = 1.0, .min_scale = 1.0});
+  r.load(in);
+  CHECK(r.value() == 128.0);
+  CHECK(r.good_steps() == 1);
+  CHECK_THROWS_WITH(unirl::train::loss_scaler({.backoff_factor = 1.5}),
+                    Catch::Contains("loss_scale.backoff_factor") && Catch::Contains("(0, 1)"));
+}

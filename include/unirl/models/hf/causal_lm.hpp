@@ -31,9 +31,11 @@
 #include <torch/torch.h>
 
 #include <unirl/core/error.hpp>
+#include <unirl/models/activation_checkpoint.hpp>
 #include <unirl/models/causal_lm.hpp>
 #include <unirl/models/gpt.hpp>
 #include <unirl/models/hf/config.hpp>
+#include <unirl/models/lora.hpp>
 #include <unirl/models/module_adapter.hpp>
 #include <unirl/ops/attention.hpp>
 #include <unirl/rollout/token.hpp>
@@ -121,6 +123,11 @@ inline torch::Tensor dense(const torch::Tensor& x, const torch::Tensor& weight, 
   return torch::linear(x, weight, bias);
 }
 
+/// `dense` of a linear layer, plus its LoRA adapter when it has one (lora.hpp).
+inline torch::Tensor dense(const torch::Tensor& x, const torch::nn::Linear& l) {
+  return lora::adapt(*l.ptr(), x, dense(x, l->weight, l->bias));
+}
+
 /// Linear layers over the same input (q/k/v; gate/up) as one matmul where that pays: forwards
 /// without gradients of more than one row (decoding at batch > 1, prefill), whose small matmuls
 /// (k_proj, v_proj: 128 outputs at Qwen2.5-0.5B shapes) use BLAS poorly. The weights and biases
@@ -134,11 +141,13 @@ class fused_linears {
   std::vector<torch::Tensor> operator()(const torch::Tensor& x, const std::vector<torch::nn::Linear>& parts) {
     std::vector<torch::Tensor> out;
     if (torch::GradMode::is_enabled() || x.numel() == x.size(-1)) {
-      for (const auto& p : parts) out.push_back(dense(x, p->weight, p->bias));
+      for (const auto& p : parts) out.push_back(dense(x, p));
       return out;
     }
     refresh(parts);
-    return torch::linear(x, weight_, bias_).split_with_sizes(sizes_, -1);
+    out = torch::linear(x, weight_, bias_).split_with_sizes(sizes_, -1);
+    for (std::size_t i = 0; i < parts.size(); ++i) out[i] = lora::adapt(*parts[i].ptr(), x, out[i]);  // LoRA adapters, if any
+    return out;
   }
 
  private:
@@ -223,8 +232,9 @@ class rms_norm_impl : public torch::nn::Cloneable<rms_norm_impl> {
 };
 TORCH_MODULE_IMPL(rms_norm, rms_norm_impl);
 
-/// GPT-2's Conv1D: a linear layer whose `weight` is stored (in, out), `bias` (out).
-class conv1d_impl : public torch::nn::Cloneable<conv1d_impl> {
+/// GPT-2's Conv1D: a linear layer whose `weight` is stored (in, out), `bias` (out), with its LoRA
+/// adapter when it has one.
+class conv1d_impl : public torch::nn::Cloneable<conv1d_impl>, public lora::fan_in_fan_out {
  public:
   conv1d_impl(std::int64_t in, std::int64_t out) : in_(in), out_(out) { reset(); }
   void reset() override {
@@ -236,8 +246,8 @@ class conv1d_impl : public torch::nn::Cloneable<conv1d_impl> {
     sizes.back() = out_;
     if (x.numel() == in_ && x.device().is_cpu() && x.is_floating_point() && x.scalar_type() != torch::kBFloat16 &&
         x.scalar_type() != torch::kHalf)  // one row: gemv (see `dense`)
-      return torch::addmv(bias, weight.t(), x.reshape({-1})).view(sizes);
-    return torch::addmm(bias, x.reshape({-1, in_}), weight).view(sizes);
+      return lora::adapt(*this, x, torch::addmv(bias, weight.t(), x.reshape({-1})).view(sizes));
+    return lora::adapt(*this, x, torch::addmm(bias, x.reshape({-1, in_}), weight).view(sizes));
   }
   torch::Tensor weight, bias;
 
@@ -245,6 +255,39 @@ class conv1d_impl : public torch::nn::Cloneable<conv1d_impl> {
   std::int64_t in_, out_;
 };
 TORCH_MODULE_IMPL(conv1d, conv1d_impl);
+
+/// A decoder layer recomputed in the backward (activation checkpointing). `layer(inputs, slot)`
+/// runs it on `inputs` (tensors only) and writes its keys and values through `slot`. Without a
+/// cache it is a pure function of `inputs`; with one, it becomes one of `inputs` and copies of
+/// the keys and values so far (the cache is written after it), its new keys and values are
+/// outputs, and those are copied into the cache here, as the plain path would have.
+template <class Layer>
+torch::Tensor checkpointed_layer(const Layer& layer, const std::vector<torch::Tensor>& params,
+                                 torch::autograd::variable_list inputs, kv_cache* cache, std::size_t l,
+                                 std::int64_t start) {
+  if (!cache)
+    return checkpoint([layer](const torch::autograd::variable_list& in) {
+             return torch::autograd::variable_list{layer(in, kv_slot{})};
+           }, inputs, params)[0];
+  auto& K = cache->k[l];
+  auto& V = cache->v[l];
+  const auto m = static_cast<std::int64_t>(inputs.size());
+  inputs.push_back(K.slice(2, 0, start).clone());
+  inputs.push_back(V.slice(2, 0, start).clone());
+  const auto outs = checkpoint([layer, m, start](const torch::autograd::variable_list& in) {
+        const auto& kp = in[static_cast<std::size_t>(m)];
+        const auto& vp = in[static_cast<std::size_t>(m + 1)];
+        const auto n = in[0].size(1);
+        auto kb = torch::cat({kp, kp.new_zeros({kp.size(0), kp.size(1), n, kp.size(3)})}, 2);
+        auto vb = torch::cat({vp, vp.new_zeros({vp.size(0), vp.size(1), n, vp.size(3)})}, 2);
+        auto y = layer(torch::autograd::variable_list(in.begin(), in.begin() + m), kv_slot{&kb, &vb, start});
+        return torch::autograd::variable_list{y, kb.slice(2, start), vb.slice(2, start)};
+      }, inputs, params);
+  const auto n = outs[1].size(2);
+  K.slice(2, start, start + n).copy_(outs[1]);
+  V.slice(2, start, start + n).copy_(outs[2]);
+  return outs[0];
+}
 
 inline torch::nn::Linear make_linear(std::int64_t in, std::int64_t out, bool bias) {
   return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(bias));
@@ -291,7 +334,7 @@ class llama_attention_impl : public torch::nn::Cloneable<llama_attention_impl> {
     k = k * c + rotate_half(k) * s;
     auto [k_all, v_all] = slot.update(k, v);
     const auto y = attend_grouped(q, k_all, v_all, bias, 1.0 / std::sqrt(static_cast<double>(dim_)), heads_ / kv_heads_);
-    return dense(y.transpose(1, 2).reshape({B, n, heads_ * dim_}), o_proj->weight, o_proj->bias);
+    return dense(y.transpose(1, 2).reshape({B, n, heads_ * dim_}), o_proj);
   }
   torch::nn::Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
   rms_norm q_norm{nullptr}, k_norm{nullptr};
@@ -318,7 +361,7 @@ class llama_mlp_impl : public torch::nn::Cloneable<llama_mlp_impl> {
   }
   torch::Tensor forward(const torch::Tensor& x) {
     const auto gu = gate_up_(x, {gate_proj, up_proj});
-    return dense(torch::silu(gu[0]) * gu[1], down_proj->weight, down_proj->bias);
+    return dense(torch::silu(gu[0]) * gu[1], down_proj);
   }
   torch::nn::Linear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
 
@@ -370,14 +413,23 @@ class llama_model_impl : public torch::nn::Cloneable<llama_model_impl> {
                         kv_cache* cache, std::int64_t start) {
     auto x = embed_tokens(ids);
     const auto [cos, sin] = rope_cos_sin(positions, c_.head_size(), c_.rope_theta, x.scalar_type());
+    const bool recompute = checkpoint_layers && torch::GradMode::is_enabled();
     std::size_t l = 0;
     for (const auto& layer : *layers) {
       const kv_slot slot = cache ? kv_slot{&cache->k[l], &cache->v[l], start} : kv_slot{};
-      x = layer->as<llama_layer_impl>()->forward(x, cos, sin, bias, slot);
+      if (recompute) {
+        auto block = std::dynamic_pointer_cast<llama_layer_impl>(layer);
+        x = checkpointed_layer([block](const torch::autograd::variable_list& in, const kv_slot& s) {
+              return block->forward(in[0], in[1], in[2], in[3], s);
+            }, block->parameters(), {x, cos, sin, bias}, cache, l, start);
+      } else {
+        x = layer->as<llama_layer_impl>()->forward(x, cos, sin, bias, slot);
+      }
       ++l;
     }
     return norm(x);
   }
+  bool checkpoint_layers = false;  // recompute each layer in the backward (activation checkpointing)
   torch::nn::Embedding embed_tokens{nullptr};
   torch::nn::ModuleList layers{nullptr};
   rms_norm norm{nullptr};
@@ -474,14 +526,23 @@ class gpt2_model_impl : public torch::nn::Cloneable<gpt2_model_impl> {
   torch::Tensor forward(const torch::Tensor& ids, const torch::Tensor& positions, const torch::Tensor& bias,
                         kv_cache* cache, std::int64_t start) {
     auto x = wte(ids) + wpe(positions);
+    const bool recompute = checkpoint_layers && torch::GradMode::is_enabled();
     std::size_t l = 0;
     for (const auto& block : *h) {
       const kv_slot slot = cache ? kv_slot{&cache->k[l], &cache->v[l], start} : kv_slot{};
-      x = block->as<gpt2_block_impl>()->forward(x, bias, slot);
+      if (recompute) {
+        auto b = std::dynamic_pointer_cast<gpt2_block_impl>(block);
+        x = checkpointed_layer([b](const torch::autograd::variable_list& in, const kv_slot& s) {
+              return b->forward(in[0], in[1], s);
+            }, b->parameters(), {x, bias}, cache, l, start);
+      } else {
+        x = block->as<gpt2_block_impl>()->forward(x, bias, slot);
+      }
       ++l;
     }
     return ln_f(x);
   }
+  bool checkpoint_layers = false;  // recompute each block in the backward (activation checkpointing)
   torch::nn::Embedding wte{nullptr}, wpe{nullptr};
   torch::nn::ModuleList h{nullptr};
   torch::nn::LayerNorm ln_f{nullptr};
@@ -496,7 +557,7 @@ TORCH_MODULE_IMPL(gpt2_model, gpt2_model_impl);
 /// The network of `causal_lm`: `model` (Llama family) or `transformer` (GPT-2), then `lm_head`
 /// (absent when tied: the token embedding is the head) — or, for a critic (`out_dim` 1), a
 /// value head `score` (weight and bias) in its place.
-class decoder_net_impl : public torch::nn::Cloneable<decoder_net_impl> {
+class decoder_net_impl : public torch::nn::Cloneable<decoder_net_impl>, public lora::adaptable {
  public:
   explicit decoder_net_impl(decoder_config c, std::int64_t out_dim = 0) : c_(std::move(c)), out_dim_(out_dim) {
     c_.validate();
@@ -527,6 +588,13 @@ class decoder_net_impl : public torch::nn::Cloneable<decoder_net_impl> {
 
   const decoder_config& config() const { return c_; }
   std::int64_t out_dim() const { return out_dim_; }
+
+  /// Activation checkpointing of the decoder layers (forwards with gradients).
+  void set_checkpoint_layers(bool on) {
+    if (c_.is_gpt2()) transformer->checkpoint_layers = on;
+    else model->checkpoint_layers = on;
+  }
+  bool checkpoint_layers() const { return c_.is_gpt2() ? transformer->checkpoint_layers : model->checkpoint_layers; }
 
   /// The token embedding (B, n) -> (B, n, hidden) table: `model.embed_tokens` or `transformer.wte`.
   const torch::Tensor& embedding_weight() const {
@@ -709,10 +777,19 @@ struct causal_lm : module_adapter<causal_lm, decoder_net> {
   kv_cache select_cache(const kv_cache& c, const torch::Tensor& index) const { return c.select(index); }
   std::int64_t vocab_size() const { return net_->config().vocab_size; }
   std::int64_t max_length() const { return net_->config().max_position_embeddings; }
+  /// Activation checkpointing of the decoder layers (`checkpoint_kind::decoder_blocks`) in
+  /// forwards with gradients; other kinds throw `config_error`. Parameter names and outputs are
+  /// unchanged either way.
+  void set_checkpointing(const std::vector<std::string>& kinds) {
+    check_checkpointing_kinds(kinds, checkpointing_kinds(), "models::hf::causal_lm");
+    net_->set_checkpoint_layers(wants_checkpointing(kinds, checkpoint_kind::decoder_blocks));
+  }
+  std::vector<std::string> checkpointing_kinds() const { return {std::string(checkpoint_kind::decoder_blocks)}; }
 
   /// A critic with this model's backbone weights (copied, same dtype and device) and a fresh `score` head.
   causal_lm_critic make_critic() const {
     decoder_net critic(net_->config(), 1);
+    critic->set_checkpoint_layers(net_->checkpoint_layers());
     torch::NoGradGuard ng;
     const auto src = net_->named_parameters();
     critic->to(dtype());

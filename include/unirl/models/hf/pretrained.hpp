@@ -34,6 +34,7 @@
 #include <unirl/io/safetensors.hpp>
 #include <unirl/models/hf/causal_lm.hpp>
 #include <unirl/models/hf/config.hpp>
+#include <unirl/models/lora.hpp>
 
 namespace unirl::models::hf {
 
@@ -152,7 +153,9 @@ inline causal_lm from_pretrained(const std::filesystem::path& dir, const from_pr
 /// Writes `model` as a Hugging Face model directory: config.json (torch_dtype set to the saved
 /// dtype) and model.safetensors (or shards above `max_shard_bytes`, with
 /// model.safetensors.index.json), tensors under their Hugging Face names, tied `lm_head.weight`
-/// omitted; then the tokenizer files of `copy_tokenizer_from`. Weight files of an earlier save in
+/// omitted; then the tokenizer files of `copy_tokenizer_from`. A model with LoRA adapters is
+/// written with each adapter merged into its weight (`lora::merged_parameters`; the adapter alone:
+/// `lora::save_adapter`). Weight files of an earlier save in
 /// `dir` (model.safetensors, model-*-of-*.safetensors, the index) are replaced.
 inline void save_pretrained(const causal_lm& model, const std::filesystem::path& dir,
                             const save_pretrained_options& o = {}) {
@@ -168,8 +171,10 @@ inline void save_pretrained(const causal_lm& model, const std::filesystem::path&
   std::vector<std::pair<std::string, torch::Tensor>> tensors;
   {
     torch::NoGradGuard ng;
-    for (const auto& [name, t] : model.named_parameters())
-      tensors.emplace_back(name, t.detach().to(torch::kCPU, dtype).contiguous());
+    // A model with LoRA adapters is written merged (W + (alpha / r) B A), under the base names.
+    const auto params =
+        lora::has_adapters(*model.net()) ? lora::merged_parameters(*model.net()) : model.named_parameters();
+    for (const auto& [name, t] : params) tensors.emplace_back(name, t.detach().to(torch::kCPU, dtype).contiguous());
   }
   // One model.safetensors when it fits, else shards + index; stale files of the other layout go.
   io::save_safetensors_sharded(dir, tensors, o.max_shard_bytes, {{"format", "pt"}});

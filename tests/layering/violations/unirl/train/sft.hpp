@@ -1,0 +1,2 @@
+#pragma once
+#include <unirl/recipes/token_recipe.hpp>
