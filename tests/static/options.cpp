@@ -9,6 +9,14 @@
 #include <unirl/rewards.hpp>
 #include <unirl/rewards/server.hpp>
 #include <unirl/token.hpp>
+#include <unirl/models/hf/pretrained.hpp>
+#include <unirl/models/lora.hpp>
+#include <unirl/recipes/token_recipe.hpp>
+#include <unirl/train/flow_matching.hpp>
+#include <unirl/train/loss_scaler.hpp>
+#include <unirl/train/memory.hpp>
+#include <unirl/train/run_directory.hpp>
+#include <unirl/train/sft.hpp>
 
 namespace {
 using unirl::options::member_count;
@@ -80,3 +88,20 @@ static_assert(reflects_every_member<unirl::rewards::alignment_options>);
 static_assert(reflects_every_member<unirl::rewards::learned_reward_options>);
 static_assert(reflects_every_member<unirl::rewards::remote_options>);
 static_assert(reflects_every_member<unirl::rewards::server_options>);
+
+// memory, precision, supervised stages, LoRA, Hugging Face I/O, recipes
+static_assert(reflects_every_member<unirl::train::memory_options>);
+static_assert(reflects_every_member<unirl::train::loss_scale_options>);
+static_assert(reflects_every_member<unirl::train::run_directory_options>);
+static_assert(reflects_every_member<unirl::train::sft_options>);
+static_assert(reflects_every_member<unirl::train::flow_matching_options>);
+static_assert(reflects_every_member<unirl::train::supervised_options<unirl::train::sft_options>>);
+static_assert(reflects_every_member<unirl::train::supervised_options<unirl::train::flow_matching_options>>);
+static_assert(reflects_every_member<unirl::lora::options>);
+static_assert(reflects_every_member<unirl::lora::adapter_options>);
+static_assert(reflects_every_member<unirl::models::hf::from_pretrained_options>);
+static_assert(reflects_every_member<unirl::models::hf::save_pretrained_options>);
+static_assert(reflects_every_member<unirl::recipes::token_recipe>);
+static_assert(reflects_every_member<unirl::recipes::sft_recipe>);
+static_assert(reflects_every_member<unirl::recipes::reward_recipe>);
+static_assert(reflects_every_member<unirl::recipes::checkpoint_recipe>);

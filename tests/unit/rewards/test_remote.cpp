@@ -793,7 +793,18 @@ struct size_scorer {
 };
 }  // namespace
 
+// Under a sanitizer (CI's TSan build of this file) every allocation carries shadow memory and
+// quarantine, so the memory-to-body ratio measures the sanitizer, not the server.
+#if defined(__SANITIZE_THREAD__) || defined(__SANITIZE_ADDRESS__)
+constexpr bool kSanitized = true;
+#else
+constexpr bool kSanitized = false;
+#endif
+
 TEST_CASE("a large request costs the server a small multiple of its body", "[cpu][rewards][remote]") {
+  if (kSanitized) {
+    WARN("built with a sanitizer: the memory ratio is not measured (shadow memory), the request still is");
+  }
   // Before: the body was parsed to a JSON tree (16+ bytes per number) and copied into the batch:
   // a 100 MB request took 2.17 GB. Measured here in a child process hosting the server: the rise
   // of its peak resident memory (getrusage maxrss) while it scores one request, against the body.
@@ -825,7 +836,7 @@ TEST_CASE("a large request costs the server a small multiple of its body", "[cpu
     // The body itself, plus the completions moved out of it: about 2x, with a margin to 2.5x.
     const auto [rise, body] = measure(tb, nullptr, 48, expected);
     INFO("body " << body / 1e6 << " MB, server peak memory rise " << rise / 1e6 << " MB (" << rise / body << "x)");
-    CHECK(rise / body < 2.5);
+    if (!kSanitized) CHECK(rise / body < 2.5);
   }
   SECTION("images as JSON numbers: 16 x 1 x 512 x 512 float32") {
     image_batch ib{torch::full({16, 1, 512, 512}, 0.25f) + torch::arange(16, torch::kFloat32).view({16, 1, 1, 1})};
@@ -835,7 +846,7 @@ TEST_CASE("a large request costs the server a small multiple of its body", "[cpu
     text_batch none;
     const auto [rise, body] = measure(none, &ib, 16, expected);
     INFO("body " << body / 1e6 << " MB, server peak memory rise " << rise / 1e6 << " MB (" << rise / body << "x)");
-    CHECK(rise / body < 5.0);
+    if (!kSanitized) CHECK(rise / body < 5.0);
   }
 }
 
