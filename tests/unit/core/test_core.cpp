@@ -166,6 +166,8 @@ nlohmann::json without_times(nlohmann::json j) {
   for (const char* k : {"time_sample", "time_reward", "time_advantage", "time_update", "time_sync", "seconds",
                         "samples_per_second"})
     j.erase(k);
+  // memory figures are the machine's, as the times are (extra keys "memory/<stage>_mb", ...)
+  for (auto it = j.begin(); it != j.end();) it = it.key().starts_with("memory/") ? j.erase(it) : std::next(it);
   return j;
 }
 
