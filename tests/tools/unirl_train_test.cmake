@@ -2,7 +2,8 @@
 #   cmake -DTOOL=unirl-train -DRECIPE=<dir>/recipe.json -DWORK=<dir> -P unirl_train_test.cmake
 # 1. 6 steps straight; 2. 4 steps, then the same command with steps=6 resumes at step 4 by itself;
 # the two exports are byte-identical (resume bit for bit, data position included) and load back;
-# 3. LoRA (lora.rank): merged export + PEFT adapter; 4. errors: a bad recipe key, a bad JSONL record.
+# 3. LoRA (lora.rank): merged export + PEFT adapter; 4. the SFT stage (sft.steps), then resumed;
+# 5. errors: a bad recipe key, a bad JSONL record.
 foreach(v TOOL RECIPE WORK)
   if(NOT DEFINED ${v})
     message(FATAL_ERROR "${v} is not set")
@@ -61,6 +62,22 @@ if(NOT m MATCHES "^0\n")
   message(FATAL_ERROR "the merged LoRA export did not load back:\n${m}")
 endif()
 
+# The supervised stage (docs/sft.md): sft.steps before RL, its metrics one line per step, its
+# steps and accuracy in the summary; the same command again loads the finished stage (0 new steps).
+run_tool(s steps=1 out=${WORK}/sft sft.steps=3 sft.batch_size=4)
+file(STRINGS "${WORK}/sft/sft_metrics.jsonl" sft_lines)
+list(LENGTH sft_lines n_sft)
+file(READ "${WORK}/sft/summary.json" sft_summary)
+if(NOT s MATCHES "^0\n" OR NOT n_sft EQUAL 3 OR NOT sft_summary MATCHES "\"sft_steps\": 3"
+   OR sft_summary MATCHES "\"accuracy_after_sft\": -1")
+  message(FATAL_ERROR "the SFT stage did not run 3 steps (${n_sft} metric lines):\n${s}\n${sft_summary}")
+endif()
+run_tool(t steps=1 out=${WORK}/sft sft.steps=3 sft.batch_size=4)
+file(READ "${WORK}/sft/summary.json" sft_again)
+if(NOT t MATCHES "^0\n" OR NOT sft_again MATCHES "\"sft_steps\": 0")
+  message(FATAL_ERROR "a finished SFT stage was trained again:\n${t}\n${sft_again}")
+endif()
+
 run_tool(e steps=1 out=${WORK}/bad optim.lrr=0.1)
 if(e MATCHES "^0\n" OR NOT e MATCHES "optim.lrr")
   message(FATAL_ERROR "an unknown recipe key was not named:\n${e}")
@@ -74,4 +91,4 @@ run_tool(f steps=1 out=${WORK}/bad data.path=${WORK}/bad.jsonl)
 if(f MATCHES "^0\n" OR NOT f MATCHES "bad.jsonl:2" OR NOT f MATCHES "'answer'")
   message(FATAL_ERROR "a bad JSONL record was not named by line and field:\n${f}")
 endif()
-message(STATUS "unirl-train: straight, resumed (identical export), reload, LoRA, errors: ok")
+message(STATUS "unirl-train: straight, resumed (identical export), reload, LoRA, SFT stage, errors: ok")
