@@ -15,6 +15,15 @@
 //   logits() (the (B, T, V) logits materialised). items = sequences * 256 tokens; counter
 //   peak_rss_MiB: getrusage's ru_maxrss of the process so far (run one case per process).
 //
+// BM_hf_grpo_memory/<sequences>/<layers>/<config>: the one-device memory features on the same
+//   update (chunked head, GRPO with kl_coef 0.04, so a reference model exists): config 0 fp32,
+//   1 bf16 (autocast, float32 master weights), 2 activation checkpointing of the decoder blocks,
+//   3 LoRA r = 16 on every linear (the reference is the base), 4 all three. Two steps; the
+//   second (optimizer state allocated) is timed and its memory figures reported: resident_MiB
+//   (the process at the update's start: weights, reference, optimizer state), update_peak_MiB
+//   (the highest resident set during the update, above its start: activations, gradients,
+//   temporaries), trainable_MiB (parameters that train). Flag: --memory=32:fp32,32:lora,...
+//
 // The shapes are flags, so the drivers run exactly the cases they compare:
 //   bench_hf --decode=1,64 --layers=24 --new=32 --reps=2 --update= --threads=2
 //   bench_hf --decode= --update=64:1,16:0 --layers=2
@@ -23,6 +32,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <sstream>
 #include <string>
@@ -34,6 +44,7 @@
 
 #include <unirl/algorithms/grpo.hpp>
 #include <unirl/models/hf/causal_lm.hpp>
+#include <unirl/models/lora.hpp>
 #include <unirl/trainer.hpp>
 
 namespace hf = unirl::models::hf;
@@ -165,6 +176,54 @@ void BM_hf_grpo_update(benchmark::State& state) {
   else grpo_update(state, materialised_lm(lm.net()));
 }
 
+// One of the memory configurations of BM_hf_grpo_memory.
+enum memory_config : std::int64_t { mem_fp32, mem_bf16, mem_ckpt, mem_lora, mem_all };
+
+void BM_hf_grpo_memory(benchmark::State& state) {
+  const auto S = state.range(0), cfg = state.range(2);
+  torch::manual_seed(0);
+  hf::causal_lm lm(qwen_shapes(state.range(1)));
+  const bool lora = cfg == mem_lora || cfg == mem_all;
+  if (lora) unirl::lora::apply(lm, {.rank = 16, .alpha = 32});
+  unirl::trainer<hf::causal_lm, fixed_rollout_grpo, low_half_reward> t{
+      std::move(lm), low_half_reward{},
+      {.algorithm = {.kl_coef = 0.04,
+                     .layout = unirl::rollout::update_layout::padded,
+                     .sampling = {.max_new_tokens = kUpdateCompletion}},
+       .optim = {.lr = 1e-6},
+       .clip = {.max_grad_norm = 1.0},
+       .memory = {.checkpointing = (cfg == mem_ckpt || cfg == mem_all) ? std::vector<std::string>{"decoder_blocks"}
+                                                                       : std::vector<std::string>{}},
+       .precision = (cfg == mem_bf16 || cfg == mem_all) ? unirl::precision::bf16 : unirl::precision::fp32,
+       .group_size = kGroup,
+       .progress = false}};
+  torch::manual_seed(1);
+  auto& b = t.algorithm().batch;
+  b.prompt_ids = torch::randint(0, 151936, {S / kGroup, kUpdatePrompt}, torch::kInt64).repeat_interleave(kGroup, 0);
+  b.prompt_mask = torch::ones({S, kUpdatePrompt});
+  b.completion_ids = torch::randint(0, 151936, {S, kUpdateCompletion}, torch::kInt64);
+  b.completion_mask = torch::ones({S, kUpdateCompletion});
+  b.old_logp = torch::zeros({S, kUpdateCompletion});
+  b.ref_logp = torch::zeros({S, kUpdateCompletion});
+  b.prompt_index = torch::arange(S, torch::kInt64).floor_divide(kGroup);
+  unirl::prompt_batch in;
+  for (std::int64_t i = 0; i < S / kGroup; ++i) in.tokens.push_back({i});
+  double trainable = 0;
+  for (const auto& p : t.models().policy.parameters())
+    if (p.requires_grad()) trainable += static_cast<double>(p.numel() * p.element_size());
+  for (auto _ : state) {
+    (void)t.step(in);  // allocates the optimizer state
+    const auto s = t.step(in);
+    state.SetIterationTime(s.time_update);
+    state.counters["loss"] = s.loss;
+    state.counters["resident_MiB"] = s.extra.at("memory/advantage_mb");
+    state.counters["update_peak_MiB"] = s.extra.at("memory/update_peak_mb") - s.extra.at("memory/advantage_mb");
+  }
+  state.SetItemsProcessed(state.iterations() * S * (kUpdatePrompt + kUpdateCompletion));
+  state.counters["trainable_MiB"] = trainable / (1 << 20);
+  state.counters["peak_rss_MiB"] = peak_rss_mib();
+}
+
 std::vector<std::string> split(const std::string& s, char sep) {
   std::vector<std::string> out;
   std::stringstream in(s);
@@ -176,7 +235,7 @@ std::vector<std::string> split(const std::string& s, char sep) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string decode = "1,64", update = "64:1", layers = "4", new_tokens = "32";
+  std::string decode = "1,64", update = "64:1", memory, layers = "4", new_tokens = "32";
   int threads = 2;
   std::vector<char*> rest;
   for (int i = 0; i < argc; ++i) {
@@ -187,6 +246,7 @@ int main(int argc, char** argv) {
     };
     if (const char* v = value("--decode")) decode = v;
     else if (const char* v = value("--update")) update = v;
+    else if (const char* v = value("--memory")) memory = v;
     else if (const char* v = value("--layers")) layers = v;
     else if (const char* v = value("--new")) new_tokens = v;
     else if (const char* v = value("--threads")) threads = std::atoi(v);
@@ -205,6 +265,21 @@ int main(int argc, char** argv) {
     const auto parts = split(u, ':');
     benchmark::RegisterBenchmark("BM_hf_grpo_update", BM_hf_grpo_update)
         ->Args({std::stoll(parts.at(0)), L, parts.size() > 1 ? std::stoll(parts[1]) : 1})
+        ->UseManualTime()
+        ->Iterations(1)
+        ->Unit(benchmark::kMillisecond);
+  }
+  const std::vector<std::string> configs{"fp32", "bf16", "ckpt", "lora", "all"};
+  for (const auto& u : split(memory, ',')) {
+    const auto parts = split(u, ':');
+    const auto it = std::find(configs.begin(), configs.end(), parts.size() > 1 ? parts[1] : "");
+    if (it == configs.end()) {
+      std::fprintf(stderr, "--memory: \"%s\" is not sequences:config with config one of fp32, bf16, ckpt, lora, all\n",
+                   u.c_str());
+      return 2;
+    }
+    benchmark::RegisterBenchmark(("BM_hf_grpo_memory/" + *it).c_str(), BM_hf_grpo_memory)
+        ->Args({std::stoll(parts.at(0)), L, it - configs.begin()})
         ->UseManualTime()
         ->Iterations(1)
         ->Unit(benchmark::kMillisecond);

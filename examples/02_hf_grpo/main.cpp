@@ -147,33 +147,33 @@ int main(int argc, char** argv) try {
   std::cout << "stage 1: supervised, a " << o.layers << "-layer Qwen2 decoder (hidden " << o.hidden_size << ", "
             << o.heads << " heads, " << o.kv_heads << " KV heads) on a+b in ChatML until held-out accuracy is in ["
             << 100 * o.band_low << "%, " << 100 * o.band_high << "%]\n";
-  torch::optim::AdamW opt(model.parameters(), torch::optim::AdamWOptions(o.sft_lr).weight_decay(0.0));
+  // The library's SFT stage (AdamW, no weight decay, constant lr; cross-entropy on the answer and
+  // its end-of-text token), stopped by the evaluation once held-out accuracy reaches the band.
   double acc = 0.0;
-  std::int64_t sft_steps = 0;
-  for (; sft_steps < o.sft_max_steps; ++sft_steps) {
-    model.train(true);
-    std::vector<std::vector<std::int64_t>> prompts, answers;
-    for (std::int64_t i = 0; i < o.sft_batch; ++i) {
-      const auto p = t.draw_train();
-      prompts.push_back(tok.encode(p.prompt()));
-      auto a = tok.encode(p.answer());
-      a.push_back(eos);
-      answers.push_back(std::move(a));
-    }
-    const auto loss = unirl::train::sft_loss(model, unirl::train::make_sft_batch(prompts, answers, tok.pad_id()));
-    opt.zero_grad();
-    loss.backward();
-    opt.step();
-    if ((sft_steps + 1) % o.eval_every == 0) {
-      model.train(false);
-      acc = accuracy(model);
-      std::cout << "  step " << std::setw(5) << sft_steps + 1 << "  loss " << std::setprecision(3) << loss.item<double>()
-                << "  held-out accuracy " << std::setprecision(1) << 100 * acc << "%\n"
-                << std::flush;
-      if (acc >= o.band_low) break;
-    }
-  }
-  ++sft_steps;
+  unirl::train::sft_trainer<hf::causal_lm> sft(
+      model, {.optim = {.lr = o.sft_lr}, .batch_size = o.sft_batch, .steps = o.sft_max_steps,
+              .eval_every = o.eval_every, .progress = false});
+  const auto sft_run = sft.run(
+      [&](std::int64_t n) {
+        std::vector<std::vector<std::int64_t>> prompts, answers;
+        for (std::int64_t i = 0; i < n; ++i) {
+          const auto p = t.draw_train();
+          prompts.push_back(tok.encode(p.prompt()));
+          auto a = tok.encode(p.answer());
+          a.push_back(eos);
+          answers.push_back(std::move(a));
+        }
+        return unirl::train::make_sft_batch(prompts, answers, tok.pad_id());
+      },
+      [&](const unirl::train::supervised_stats& s) {
+        model.train(false);
+        acc = accuracy(model);
+        std::cout << "  step " << std::setw(5) << s.step + 1 << "  loss " << std::setprecision(3) << s.loss
+                  << "  held-out accuracy " << std::setprecision(1) << 100 * acc << "%\n"
+                  << std::flush;
+        return acc >= o.band_low;
+      });
+  const std::int64_t sft_steps = sft_run.steps;
   const double sft_seconds = since(t_start);
   const auto base = out / "base";
   std::filesystem::remove_all(base);

@@ -19,6 +19,7 @@
 #include <unirl/concepts/environment.hpp>
 #include <unirl/concepts/vector_environment.hpp>
 #include <unirl/envs/cartpole.hpp>
+#include <unirl/envs/canvas_click.hpp>
 #include <unirl/envs/episodic_env.hpp>
 #include <unirl/envs/pendulum.hpp>
 #include <unirl/envs/vector_env.hpp>

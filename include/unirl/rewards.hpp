@@ -10,7 +10,10 @@
 /// unirl::rewards::weighted<exact_answer, format_ok> reward{{.weights = {1.0, 0.2}}, exact_answer{}, format_ok{}};
 /// ```
 #include <unirl/concepts/reward.hpp>
+#include <unirl/rewards/actions.hpp>
 #include <unirl/rewards/alignment.hpp>
+#include <unirl/rewards/clip.hpp>
+#include <unirl/rewards/consistency.hpp>
 #include <unirl/rewards/model.hpp>
 #include <unirl/rewards/remote.hpp>
 #include <unirl/rewards/rules.hpp>

@@ -358,6 +358,9 @@ class trainer {
     s.seconds = seconds(t0, t5);
     s.samples_per_second = s.seconds > 0 ? static_cast<double>(s.samples) / s.seconds : 0.0;
     s.skipped_total = guard_.skipped_total();
+    // A model's own figures of the step (optional hook), e.g. a VLM's vision_tower_calls.
+    if constexpr (requires(const Model& m, std::map<std::string, double>& e) { m.report_stats(e); })
+      models_.policy.report_stats(s.extra);
     ++step_;
     report(s);
     return s;
@@ -401,15 +404,7 @@ class trainer {
       }
       train::save_rng(a);
       a.write("options", text_tensor(::unirl::options::to_json(opts_).dump()));
-      train::write_scalar(a, "unirl.extras", static_cast<std::int64_t>(sizeof...(Extras)));
-      std::size_t i = 0;
-      (
-          [&] {
-            torch::serialize::OutputArchive sub;
-            extras.save(sub);
-            a.write("extra." + std::to_string(i++), sub);
-          }(),
-          ...);
+      train::write_extras(a, extras...);
     });
   }
 
@@ -424,7 +419,7 @@ class trainer {
                   "void save(torch::serialize::OutputArchive&) const and void load(torch::serialize::InputArchive&) "
                   "(e.g. a non-const unirl::envs::vector_env of a checkpointable environment)");
     train::read_checkpoint(path, [&](torch::serialize::InputArchive& a) {
-      check_extras(a, static_cast<std::int64_t>(sizeof...(Extras)));
+      train::check_extras(a, static_cast<std::int64_t>(sizeof...(Extras)), "trainer::load");
       torch::Tensor t;
       a.read("unirl.step", t);
       step_ = t.item<std::int64_t>();
@@ -448,13 +443,7 @@ class trainer {
         algorithm_.load(alg);
       }
       train::load_rng(a);
-      std::size_t i = 0;
-      (
-          [&] {
-            auto sub = train::read_archive(a, "extra." + std::to_string(i++), "trainer::load");
-            extras.load(sub);
-          }(),
-          ...);
+      train::read_extras(a, "trainer::load", extras...);
     });
     resumed_ = true;
   }
@@ -588,26 +577,6 @@ class trainer {
     return c;
   }
 
-  // Throws unless the checkpoint holds exactly `given` extras (checkpoints of older builds: none).
-  static void check_extras(torch::serialize::InputArchive& a, std::int64_t given) {
-    const std::int64_t stored =
-        train::has_key(a, "unirl.extras") ? train::read_scalar<std::int64_t>(a, "unirl.extras") : 0;
-    if (stored == given) return;
-    const auto names = [](std::int64_t from, std::int64_t to) {
-      std::string s;
-      for (std::int64_t i = from; i < to; ++i) s += (i > from ? ", " : "") + ("extra." + std::to_string(i));
-      return s;
-    };
-    if (stored > given)
-      throw checkpoint_error("trainer::load: the checkpoint holds " + std::to_string(stored) +
-                             " extra state(s) saved with the model (e.g. the vector_env), but load was given " +
-                             std::to_string(given) + ": " + names(given, stored) +
-                             " would be lost; pass the same objects to load(path, ...) as to save(path, ...)");
-    throw checkpoint_error("trainer::load: load was given " + std::to_string(given) +
-                           " extra state(s), but the checkpoint holds " + std::to_string(stored) + ": " +
-                           names(stored, given) + " is missing from the checkpoint; pass the same objects to "
-                           "load(path, ...) as to save(path, ...)");
-  }
 
   // The policy's (and critic's) parameters and buffers: what rank 0 broadcasts at construction.
   named_tensors trainable_state() const {

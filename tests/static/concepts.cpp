@@ -16,6 +16,7 @@
 #include <unirl/token.hpp>
 #include <unirl/train/flow_matching.hpp>
 #include <unirl/train/sft.hpp>
+#include <unirl/vlm.hpp>
 
 using namespace unirl;
 
@@ -373,3 +374,20 @@ static_assert(SupervisedObjective<train::sft_objective<gpt>, gpt> &&
 static_assert(!SupervisedObjective<near_miss::objective_without_options, gpt> &&
               !SupervisedObjective<near_miss::objective_wrong_result, gpt> &&
               !SupervisedObjective<train::sft_objective<gpt>, flow_t>);
+
+// The VLM adapter: a CausalLM with each refinement exactly when its language model has it, a
+// critic on the multimodal backbone, trained by the token track's algorithms unchanged
+namespace {
+using vlm_gpt = models::vlm::vlm<gpt>;
+using vlm_hf = models::vlm::vlm<hf_lm>;
+}  // namespace
+static_assert(CausalLM<vlm_gpt> && PackedCausalLM<vlm_gpt> && PrefixSharingCausalLM<vlm_gpt> &&
+              !HiddenStateCausalLM<vlm_gpt>);
+static_assert(CausalLM<vlm_hf> && PackedCausalLM<vlm_hf> && PrefixSharingCausalLM<vlm_hf> && HiddenStateCausalLM<vlm_hf>);
+static_assert(CriticFactory<vlm_gpt> && CriticFactory<vlm_hf>);
+static_assert(TokenCritic<models::vlm::vlm_critic<gpt>> && PackedTokenCritic<models::vlm::vlm_critic<hf_lm>>);
+static_assert(!TokenCritic<vlm_gpt> && !ModelAdapter<models::vlm::vlm_critic<gpt>> &&
+              !CausalLM<models::vlm::vlm_critic<hf_lm>>);
+static_assert(AlgorithmFor<algo::grpo<>, vlm_gpt> && AlgorithmFor<algo::ppo<>, vlm_gpt> &&
+              AlgorithmFor<algo::grpo<>, vlm_hf> && AlgorithmFor<algo::ppo<>, vlm_hf>);
+static_assert(SamplesFrom<algo::grpo<>, vlm_gpt, prompt_batch> && !SamplesFrom<algo::grpo<>, vlm_gpt, cart_venv>);

@@ -17,6 +17,7 @@
 #include <unirl/train/memory.hpp>
 #include <unirl/train/run_directory.hpp>
 #include <unirl/train/sft.hpp>
+#include <unirl/vlm.hpp>
 
 namespace {
 using unirl::options::member_count;
@@ -105,3 +106,16 @@ static_assert(reflects_every_member<unirl::recipes::token_recipe>);
 static_assert(reflects_every_member<unirl::recipes::sft_recipe>);
 static_assert(reflects_every_member<unirl::recipes::reward_recipe>);
 static_assert(reflects_every_member<unirl::recipes::checkpoint_recipe>);
+
+// vision-language models
+static_assert(reflects_every_member<unirl::models::vlm::vlm_options>);
+static_assert(reflects_every_member<unirl::models::vlm::small_vlm_options>);
+static_assert(reflects_every_member<unirl::models::vision::save_llava_options>);
+static_assert(reflects_every_member<unirl::data::canvas_options>);
+static_assert(reflects_every_member<unirl::data::canvas_grid_options>);
+static_assert(reflects_every_member<unirl::rewards::click_reward_options>);
+static_assert(reflects_every_member<unirl::envs::canvas_click_options>);
+static_assert(reflects_every_member<unirl::rewards::clip_config>);
+static_assert(reflects_every_member<unirl::rewards::encoder_train_options>);
+static_assert(reflects_every_member<unirl::rewards::classifier_config>);
+static_assert(reflects_every_member<unirl::rewards::answer_class_options>);

@@ -3,10 +3,13 @@
 /// Actor-critic policies for the env track, as CleanRL's `ppo.py` / `ppo_continuous_action.py`
 /// build them: separate actor and critic MLPs (two tanh layers of 64 by default), orthogonal
 /// weights with gain sqrt(2) on hidden layers, 0.01 on the actor head and 1.0 on the critic head,
-/// zero biases. Two action distributions share the code:
+/// zero biases. Three action distributions share the code:
 /// - `categorical` — logits over n discrete actions;
 /// - `diag_gaussian` — mean from the actor, state-independent log-std (a learned (1, A)
-///   parameter, initialised to `init_log_std`).
+///   parameter, initialised to `init_log_std`);
+/// - `mixed<C>` — a categorical action type over `action_dim` types plus C Gaussian coordinates
+///   (models/mixed_action.hpp): the actor outputs the logits then the means, the log-std is a
+///   learned (1, C) parameter; actions are (B, 1 + C) float rows `[type, coordinates...]`.
 ///
 /// The policy is its own critic (the value head), so PPO needs no separate critic model.
 /// ```cpp
@@ -29,6 +32,7 @@
 #include <unirl/core/error.hpp>
 #include <unirl/core/options.hpp>
 #include <unirl/core/precision.hpp>
+#include <unirl/models/mixed_action.hpp>
 #include <unirl/models/module_adapter.hpp>
 #include <unirl/rollout/env.hpp>
 
@@ -75,7 +79,12 @@ class actor_critic_netImpl : public torch::nn::Cloneable<actor_critic_netImpl<Di
 
   void reset() override {
     critic = this->register_module("critic", mlp(1, opts_.critic_gain));
-    actor = this->register_module("actor", mlp(action_dim_, opts_.actor_gain));
+    if constexpr (is_mixed_v<Dist>) {  // logits of the types, then the coordinates' means
+      actor = this->register_module("actor", mlp(action_dim_ + Dist::coordinates, opts_.actor_gain));
+      log_std = this->register_parameter("log_std", torch::full({1, Dist::coordinates}, opts_.init_log_std));
+    } else {
+      actor = this->register_module("actor", mlp(action_dim_, opts_.actor_gain));
+    }
     if constexpr (std::is_same_v<Dist, diag_gaussian>)
       log_std = this->register_parameter("log_std", torch::full({1, action_dim_}, opts_.init_log_std));
   }
@@ -90,7 +99,7 @@ class actor_critic_netImpl : public torch::nn::Cloneable<actor_critic_netImpl<Di
   }
 
   torch::nn::Sequential critic{nullptr}, actor{nullptr};
-  torch::Tensor log_std;  // (1, A), diag_gaussian only
+  torch::Tensor log_std;  // (1, A) diag_gaussian, (1, C) mixed<C>; undefined for categorical
 
  private:
   torch::nn::Sequential mlp(std::int64_t out, double head_gain) const {
@@ -134,7 +143,8 @@ class actor_critic : public module_adapter<actor_critic<Dist>, actor_critic_net<
   using distribution = Dist;
   static constexpr bool discrete = std::is_same_v<Dist, categorical>;
 
-  /// `action_dim`: number of actions (categorical) or action dimension (diag_gaussian).
+  /// `action_dim`: number of actions (categorical), action dimension (diag_gaussian) or number of
+  /// action types (mixed<C>, whose actions have 1 + C components).
   actor_critic(std::int64_t obs_dim, std::int64_t action_dim, actor_critic_options o = {})
       : base(actor_critic_net<Dist>(obs_dim, action_dim, std::move(o))) {}
 
@@ -150,6 +160,10 @@ class actor_critic : public module_adapter<actor_critic<Dist>, actor_critic_net<
       const auto logp_all = torch::log_softmax(head, -1);
       a.action = torch::multinomial(logp_all.exp(), 1).squeeze(-1);
       a.logp = logp_all.gather(-1, a.action.unsqueeze(-1)).squeeze(-1);
+    } else if constexpr (is_mixed_v<Dist>) {
+      const auto d = mixed_head(head);
+      a.action = d.sample();
+      a.logp = d.log_prob(a.action);
     } else {
       const auto log_std = this->net_->log_std.expand_as(head);
       a.action = head + log_std.exp() * torch::randn_like(head);
@@ -163,6 +177,7 @@ class actor_critic : public module_adapter<actor_critic<Dist>, actor_critic_net<
   torch::Tensor greedy(const torch::Tensor& obs) const {
     const auto head = actor_forward(input(obs));
     if constexpr (discrete) return head.argmax(-1);
+    else if constexpr (is_mixed_v<Dist>) return mixed_head(head).mode();
     else return head;
   }
 
@@ -178,6 +193,10 @@ class actor_critic : public module_adapter<actor_critic<Dist>, actor_critic_net<
       const auto logp_all = torch::log_softmax(head, -1);
       e.logp = logp_all.gather(-1, actions.to(torch::kLong).unsqueeze(-1)).squeeze(-1);
       e.entropy = -(logp_all.exp() * logp_all).sum(-1);
+    } else if constexpr (is_mixed_v<Dist>) {
+      const auto d = mixed_head(head);
+      e.logp = d.log_prob(actions.is_floating_point() ? actions.to(head.scalar_type()) : actions);
+      e.entropy = d.entropy();
     } else {
       UNIRL_CHECK(actions.sizes() == head.sizes(), "actor_critic::evaluate: actions of shape ", actions.sizes(),
                   ": expected ", head.sizes());
@@ -208,6 +227,11 @@ class actor_critic : public module_adapter<actor_critic<Dist>, actor_critic_net<
     const auto w = this->net_->anchor();
     return obs.to(w.device(), w.scalar_type());
   }
+  // mixed<C>: the head's first action_dim() columns are the type logits, the last C the means.
+  mixed_distribution mixed_head(const torch::Tensor& head) const {
+    const auto k = action_dim();
+    return {head.narrow(-1, 0, k), head.narrow(-1, k, head.size(-1) - k), this->net_->log_std};
+  }
   static torch::Tensor gaussian_logp(const torch::Tensor& a, const torch::Tensor& mean, const torch::Tensor& log_std) {
     const double half_log_2pi = 0.5 * std::log(2.0 * std::numbers::pi);
     return (-(a - mean).square() * 0.5 * torch::exp(-2.0 * log_std) - log_std - half_log_2pi).sum(-1);
@@ -218,10 +242,14 @@ class actor_critic : public module_adapter<actor_critic<Dist>, actor_critic_net<
 using categorical_actor_critic = actor_critic<categorical>;
 /// Diagonal-Gaussian policy with state-independent log-std (Pendulum, continuous actions).
 using gaussian_actor_critic = actor_critic<diag_gaussian>;
+/// A categorical action type plus a point (x, y) (models/mixed_action.hpp; the click task).
+using mixed_actor_critic = actor_critic<mixed<2>>;
 
 static_assert(ModelAdapter<categorical_actor_critic>);
 static_assert(ModelAdapter<gaussian_actor_critic>);
 static_assert(EnvPolicy<categorical_actor_critic>);
 static_assert(EnvPolicy<gaussian_actor_critic>);
+static_assert(ModelAdapter<mixed_actor_critic>);
+static_assert(EnvPolicy<mixed_actor_critic>);
 
 }  // namespace unirl::models

@@ -192,16 +192,19 @@ class gpt_net_impl : public torch::nn::Cloneable<gpt_net_impl>, public lora::ada
     return positions;
   }
 
+  /// The token embeddings (B, L, D) of ids (B, L): the input of the `*_from_embeddings` forwards
+  /// (which add the position embeddings), e.g. with some rows replaced by image features (models/vlm).
+  torch::Tensor embed(const torch::Tensor& ids) { return tok(ids); }
+
   /// Full forward: ids (B, L), mask (B, L) -> (B, L, out) outputs.
   torch::Tensor forward(const torch::Tensor& ids, const torch::Tensor& mask) {
     check_inputs(ids, mask);
-    const auto L = ids.size(1);
-    const auto m = mask.to(torch::kFloat);
-    const auto positions = checked_positions((m.cumsum(1) - 1.0).clamp_min(0.0).to(torch::kInt64), false);
-    const auto bias = attention_bias(m.to(torch::kBool), 0, L, ids.device());
-    auto x = tok(ids) + pos(positions);
-    x = run_blocks(x, bias);
-    return head(ln_f(upcast(x)));
+    return full(tok(ids), mask);
+  }
+  /// `forward` from input embeddings x (B, L, D) (`embed`, or any other) instead of ids.
+  torch::Tensor forward_from_embeddings(const torch::Tensor& x, const torch::Tensor& mask) {
+    check_embeddings(x, mask);
+    return full(x, mask);
   }
 
   /// Packed forward: several sequences concatenated into each row without padding.
@@ -211,11 +214,33 @@ class gpt_net_impl : public torch::nn::Cloneable<gpt_net_impl>, public lora::ada
   /// outputs equal those of `forward` on that sequence alone.
   torch::Tensor forward_packed(const torch::Tensor& ids, const torch::Tensor& positions, const torch::Tensor& segments) {
     UNIRL_CHECK(ids.dim() == 2, "gpt: packed ids must be (R, N) int64, got sizes ", ids.sizes());
-    UNIRL_CHECK(positions.sizes() == ids.sizes() && segments.sizes() == ids.sizes(), "gpt: packed positions sizes ",
-                positions.sizes(), " and segments sizes ", segments.sizes(), " must equal ids sizes ", ids.sizes());
-    const auto N = ids.size(1);
+    return packed(tok(ids), positions, segments);
+  }
+  /// `forward_packed` from input embeddings x (R, N, D) instead of ids.
+  torch::Tensor forward_packed_from_embeddings(const torch::Tensor& x, const torch::Tensor& positions,
+                                               const torch::Tensor& segments) {
+    UNIRL_CHECK(x.dim() == 3 && x.size(2) == o_.d_model, "gpt: packed embeddings must be (R, N, d_model = ",
+                o_.d_model, "), got sizes ", x.sizes());
+    return packed(x, positions, segments);
+  }
+
+ private:
+  torch::Tensor full(const torch::Tensor& x0, const torch::Tensor& mask) {
+    const auto L = x0.size(1);
+    const auto m = mask.to(torch::kFloat);
+    const auto positions = checked_positions((m.cumsum(1) - 1.0).clamp_min(0.0).to(torch::kInt64), false);
+    const auto bias = attention_bias(m.to(torch::kBool), 0, L, x0.device());
+    auto x = x0 + pos(positions);
+    x = run_blocks(x, bias);
+    return head(ln_f(upcast(x)));
+  }
+  torch::Tensor packed(const torch::Tensor& x0, const torch::Tensor& positions, const torch::Tensor& segments) {
+    const auto sizes = x0.sizes().slice(0, 2);
+    UNIRL_CHECK(positions.sizes() == sizes && segments.sizes() == sizes, "gpt: packed positions sizes ",
+                positions.sizes(), " and segments sizes ", segments.sizes(), " must equal ids sizes ", sizes);
+    const auto N = x0.size(1);
     const auto pos_ids = checked_positions(positions.to(torch::kInt64), true);
-    const auto dev = ids.device();
+    const auto dev = x0.device();
     const auto idx = torch::arange(N, torch::TensorOptions(torch::kInt64).device(dev));
     const auto causal = (idx.unsqueeze(0) <= idx.unsqueeze(1)).unsqueeze(0);  // (1, N, N): key <= query
     const auto seg = segments.to(torch::kInt64);
@@ -224,11 +249,12 @@ class gpt_net_impl : public torch::nn::Cloneable<gpt_net_impl>, public lora::ada
     const auto bias = torch::zeros(allowed.sizes(), torch::TensorOptions(torch::kFloat).device(dev))
                           .masked_fill(allowed.logical_not(), -std::numeric_limits<float>::infinity())
                           .unsqueeze(1);  // (R, 1, N, N)
-    auto x = tok(ids) + pos(pos_ids);
+    auto x = x0 + pos(pos_ids);
     x = run_blocks(x, bias);
     return head(ln_f(upcast(x)));
   }
 
+ public:
   /// An empty cache for `batch` sequences of up to `capacity` tokens.
   kv_cache make_cache(std::int64_t batch, std::int64_t capacity) const {
     UNIRL_CHECK(batch >= 0 && capacity >= 1, "gpt::make_cache: batch = ", batch, ", capacity = ", capacity,
@@ -250,7 +276,17 @@ class gpt_net_impl : public torch::nn::Cloneable<gpt_net_impl>, public lora::ada
   /// Incremental forward of the next n tokens: ids (B, n), mask (B, n) -> (B, n, out).
   torch::Tensor forward_cached(const torch::Tensor& ids, const torch::Tensor& mask, kv_cache& c) {
     check_inputs(ids, mask);
-    const auto n = ids.size(1), start = c.length;
+    return cached(tok(ids), mask, c);
+  }
+  /// `forward_cached` from input embeddings x (B, n, D) instead of ids.
+  torch::Tensor forward_cached_from_embeddings(const torch::Tensor& x, const torch::Tensor& mask, kv_cache& c) {
+    check_embeddings(x, mask);
+    return cached(x, mask, c);
+  }
+
+ private:
+  torch::Tensor cached(const torch::Tensor& x0, const torch::Tensor& mask, kv_cache& c) {
+    const auto n = x0.size(1), start = c.length;
     UNIRL_CHECK(start + n <= c.capacity, "gpt: the KV cache holds ", c.capacity, " tokens; ", start + n, " needed");
     const auto m = mask.to(torch::kFloat);
     c.mask.slice(1, start, start + n).copy_(m);
@@ -258,8 +294,8 @@ class gpt_net_impl : public torch::nn::Cloneable<gpt_net_impl>, public lora::ada
         checked_positions((c.count.unsqueeze(1).to(torch::kFloat) + m.cumsum(1) - 1.0).clamp_min(0.0).to(torch::kInt64),
                           false);
     c.count += m.sum(1).to(torch::kInt64);
-    const auto bias = attention_bias(c.mask.slice(1, 0, start + n).to(torch::kBool), start, n, ids.device());
-    auto x = tok(ids) + pos(positions);
+    const auto bias = attention_bias(c.mask.slice(1, 0, start + n).to(torch::kBool), start, n, x0.device());
+    auto x = x0 + pos(positions);
     const bool recompute = checkpoint_blocks && torch::GradMode::is_enabled();
     std::int64_t l = 0;
     for (const auto& b : *blocks) {
@@ -287,6 +323,7 @@ class gpt_net_impl : public torch::nn::Cloneable<gpt_net_impl>, public lora::ada
     return head(ln_f(upcast(x)));
   }
 
+ public:
   torch::nn::Embedding tok{nullptr}, pos{nullptr};
   torch::nn::ModuleList blocks{nullptr};
   torch::nn::LayerNorm ln_f{nullptr};
@@ -296,6 +333,12 @@ class gpt_net_impl : public torch::nn::Cloneable<gpt_net_impl>, public lora::ada
   void check_inputs(const torch::Tensor& ids, const torch::Tensor& mask) const {
     UNIRL_CHECK(ids.dim() == 2, "gpt: ids must be (B, L) int64, got sizes ", ids.sizes());
     UNIRL_CHECK(mask.sizes() == ids.sizes(), "gpt: mask sizes ", mask.sizes(), " differ from ids sizes ", ids.sizes());
+  }
+  void check_embeddings(const torch::Tensor& x, const torch::Tensor& mask) const {
+    UNIRL_CHECK(x.dim() == 3 && x.size(2) == o_.d_model, "gpt: input embeddings must be (B, L, d_model = ", o_.d_model,
+                "), got sizes ", x.sizes());
+    UNIRL_CHECK(mask.sizes() == x.sizes().slice(0, 2), "gpt: mask sizes ", mask.sizes(),
+                " differ from the embeddings' (B, L) = ", x.sizes().slice(0, 2));
   }
 
   // (B, 1, n, S) additive bias for queries at slots [start, start+n) over keys [0, S): a query sees
@@ -351,6 +394,22 @@ struct gpt : module_adapter<gpt, gpt_net> {
   }
   /// Row i of the result is row `index[i]` of `c` (prefix sharing, `PrefixSharingCausalLM`).
   kv_cache select_cache(const kv_cache& c, const torch::Tensor& index) const { return c.select(index); }
+
+  /// Input embeddings (B, L, d_model) of ids (B, L); the `*_from_embeddings` forwards take them
+  /// (or any other embeddings, e.g. with image features in some rows: models/vlm) in place of
+  /// ids, and `logits(ids, m) == logits_from_embeddings(embed(ids), m)`.
+  torch::Tensor embed(const torch::Tensor& ids) const { return net_.ptr()->embed(ids); }
+  torch::Tensor logits_from_embeddings(const torch::Tensor& x, const torch::Tensor& mask) const {
+    return net_.ptr()->forward_from_embeddings(x, mask);
+  }
+  torch::Tensor logits_packed_from_embeddings(const torch::Tensor& x, const torch::Tensor& positions,
+                                              const torch::Tensor& segments) const {
+    return net_.ptr()->forward_packed_from_embeddings(x, positions, segments);
+  }
+  torch::Tensor logits_cached_from_embeddings(const torch::Tensor& x, const torch::Tensor& mask, kv_cache& c) const {
+    return net_.ptr()->forward_cached_from_embeddings(x, mask, c);
+  }
+
   std::int64_t vocab_size() const { return net_->config().vocab_size; }
   std::int64_t max_length() const { return net_->config().max_len; }
   /// Activation checkpointing of the decoder blocks (`checkpoint_kind::decoder_blocks`) in

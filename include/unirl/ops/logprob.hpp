@@ -283,8 +283,11 @@ struct chunked_linear_logprob : torch::autograd::Function<chunked_linear_logprob
     // d logp_t / dx_j = [j = t] - p_j ;  d H / dx_j = -p_j (log p_j + H), so with a = g_ent and
     // b = g_logp + g_ent H per row: d/dx_j = -p_j (a log p_j + b) + [j = t] g_logp.
     const auto a = g_ent.unsqueeze(1), b = (g_logp + g_ent * ent).unsqueeze(1);
-    auto g_hidden = torch::empty_like(hidden);
-    auto g_weight = torch::zeros_like(weight);
+    // A frozen head (LoRA keeps the base weights, tied embeddings included, out of training)
+    // gets no gradient: no (V, D) buffer and a third less work in this backward.
+    const bool want_weight = ctx->needs_input_grad(1), want_hidden = ctx->needs_input_grad(0);
+    auto g_hidden = want_hidden ? torch::empty_like(hidden) : torch::Tensor();
+    auto g_weight = want_weight ? torch::zeros_like(weight) : torch::Tensor();
     const auto rows = std::max<std::int64_t>(1, std::min(chunk, n));
     auto x_buf = torch::empty({rows, v}, hidden.options()), p_buf = torch::empty({rows, v}, hidden.options());
     const auto wt = weight.t();
@@ -296,9 +299,11 @@ struct chunked_linear_logprob : torch::autograd::Function<chunked_linear_logprob
       torch::exp_out(p, x);
       x.mul_(a.slice(0, lo, hi)).add_(b.slice(0, lo, hi)).mul_(p).neg_();  // d/dx without the target term
       x.scatter_add_(1, targets.slice(0, lo, hi).unsqueeze(1), g_logp.slice(0, lo, hi).unsqueeze(1));
-      auto gh = g_hidden.slice(0, lo, hi);
-      torch::mm_out(gh, x, weight);
-      g_weight.addmm_(x.t(), h);
+      if (want_hidden) {
+        auto gh = g_hidden.slice(0, lo, hi);
+        torch::mm_out(gh, x, weight);
+      }
+      if (want_weight) g_weight.addmm_(x.t(), h);
     }
     return {g_hidden, g_weight, torch::Tensor(), torch::Tensor()};
   }

@@ -394,6 +394,57 @@ inline torch::serialize::InputArchive read_archive(torch::serialize::InputArchiv
   return sub;
 }
 
+/// Writes each of `extras` (objects with `save(OutputArchive&) const`, `Checkpointable`) under
+/// "extra.0", "extra.1", ... and their count under "unirl.extras": the trainers' extra states
+/// (a data set's position, a vector environment), restored by `read_extras` from the same positions.
+template <class... Extras>
+void write_extras(torch::serialize::OutputArchive& a, const Extras&... extras) {
+  write_scalar(a, "unirl.extras", static_cast<std::int64_t>(sizeof...(Extras)));
+  std::size_t i = 0;
+  (
+      [&] {
+        torch::serialize::OutputArchive sub;
+        extras.save(sub);
+        a.write("extra." + std::to_string(i++), sub);
+      }(),
+      ...);
+}
+
+/// Throws `checkpoint_error` (prefixed `who`) unless the checkpoint holds exactly `given` extras
+/// (checkpoints of older builds: none), naming the ones that would be lost or are missing.
+inline void check_extras(torch::serialize::InputArchive& a, std::int64_t given, const std::string& who) {
+  const std::int64_t stored = has_key(a, "unirl.extras") ? read_scalar<std::int64_t>(a, "unirl.extras") : 0;
+  if (stored == given) return;
+  const auto names = [](std::int64_t from, std::int64_t to) {
+    std::string s;
+    for (std::int64_t i = from; i < to; ++i) s += (i > from ? ", " : "") + ("extra." + std::to_string(i));
+    return s;
+  };
+  if (stored > given)
+    throw checkpoint_error(who + ": the checkpoint holds " + std::to_string(stored) +
+                           " extra state(s) saved with the model (e.g. a data set's position or the vector_env), "
+                           "but load was given " +
+                           std::to_string(given) + ": " + names(given, stored) +
+                           " would be lost; pass the same objects to load(path, ...) as to save(path, ...)");
+  throw checkpoint_error(who + ": load was given " + std::to_string(given) +
+                         " extra state(s), but the checkpoint holds " + std::to_string(stored) + ": " +
+                         names(stored, given) + " is missing from the checkpoint; pass the same objects to "
+                         "load(path, ...) as to save(path, ...)");
+}
+
+/// Restores each of `extras` from what `write_extras` stored at the same position. Call
+/// `check_extras` first (before anything else is changed) so a mismatch changes nothing.
+template <class... Extras>
+void read_extras(torch::serialize::InputArchive& a, const std::string& who, Extras&... extras) {
+  std::size_t i = 0;
+  (
+      [&] {
+        auto sub = read_archive(a, "extra." + std::to_string(i++), who);
+        extras.load(sub);
+      }(),
+      ...);
+}
+
 }  // namespace unirl::train
 
 // The Checkpointable concept: concepts/checkpoint.hpp.

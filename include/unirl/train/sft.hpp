@@ -149,7 +149,10 @@ torch::Tensor sft_loss(const M& model, const sft_batch& b, sft_layout layout = s
     }
   }
   const auto logits = model.logits(ids.slice(1, 0, L - 1), mask.slice(1, 0, L - 1));
-  const auto logp = rollout::token_logprob(logits, ids.slice(1, 1, L), 1.0, false).first;
+  // Positions outside the loss read token 0: a prompt may hold ids beyond the LM's vocabulary
+  // (a VLM's image-slot tokens), which only ever appear as inputs.
+  const auto targets = ids.slice(1, 1, L).masked_fill(target_mask <= 0, 0);
+  const auto logp = rollout::token_logprob(logits, targets, 1.0, false).first;
   return -(logp * target_mask.to(logp.dtype())).sum() / target_mask.sum().clamp_min(1.0);
 }
 

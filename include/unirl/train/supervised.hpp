@@ -383,15 +383,7 @@ class supervised_trainer {
       a.write("guard", guard);
       save_rng(a);
       write_scalar(a, "options", ::unirl::options::to_json(opts_).dump());
-      write_scalar(a, "unirl.extras", static_cast<std::int64_t>(sizeof...(Extras)));
-      std::size_t i = 0;
-      (
-          [&] {
-            torch::serialize::OutputArchive sub;
-            extras.save(sub);
-            a.write("extra." + std::to_string(i++), sub);
-          }(),
-          ...);
+      write_extras(a, extras...);
     });
   }
 
@@ -408,11 +400,7 @@ class supervised_trainer {
         throw checkpoint_error("supervised_trainer::load: the checkpoint is of stage '" +
                                (stage.empty() ? std::string("(none: an RL trainer's?)") : stage) + "'; expected '" +
                                std::string(Objective::name) + "'");
-      const auto stored = read_scalar<std::int64_t>(a, "unirl.extras");
-      if (stored != static_cast<std::int64_t>(sizeof...(Extras)))
-        throw checkpoint_error("supervised_trainer::load: the checkpoint holds " + std::to_string(stored) +
-                               " extra state(s), but load was given " + std::to_string(sizeof...(Extras)) +
-                               "; pass the same objects to load(path, ...) as to save(path, ...)");
+      check_extras(a, static_cast<std::int64_t>(sizeof...(Extras)), "supervised_trainer::load");
       torch::Tensor t;
       a.read("unirl.step", t);
       const auto step = t.item<std::int64_t>();
@@ -423,13 +411,7 @@ class supervised_trainer {
       a.read("guard", guard);
       guard_.load(guard);
       load_rng(a);
-      std::size_t i = 0;
-      (
-          [&] {
-            auto sub = read_archive(a, "extra." + std::to_string(i++), "supervised_trainer::load");
-            extras.load(sub);
-          }(),
-          ...);
+      read_extras(a, "supervised_trainer::load", extras...);
       step_ = step;
     });
     resumed_ = true;

@@ -76,6 +76,31 @@ TEST_CASE("chunked linear log-prob equals the materialised computation", "[cpu][
   }
 }
 
+TEST_CASE("chunked linear log-prob with a frozen head: the hidden gradient alone, equal to the materialised one",
+          "[cpu][ops]") {
+  torch::manual_seed(3);
+  auto h = torch::randn({30, 8}, torch::kFloat64).requires_grad_(true);
+  const auto w = torch::randn({20, 8}, torch::kFloat64);  // frozen (a LoRA base's tied embedding)
+  const auto t = torch::randint(20, {30}, torch::kInt64);
+  const auto g = torch::randn({30}, torch::kFloat64);
+  auto c = unirl::ops::linear_logprob(h, w, t, 7);
+  (c.logp * g).sum().backward();
+  const auto gc = h.grad().clone();
+  h.mutable_grad().reset();
+  auto r = unirl::ops::token_logprob<unirl::exec::reference>(torch::matmul(h, w.t()), t);
+  (r.logp * g).sum().backward();
+  CHECK(max_diff(gc, h.grad()) < 1e-10);
+  CHECK_FALSE(w.grad().defined());
+  // and a frozen input with a trained head: the head's gradient alone
+  const auto hf = h.detach();
+  auto wt = w.clone().requires_grad_(true);
+  auto c2 = unirl::ops::linear_logprob(hf, wt, t, 7);
+  const auto gw = torch::autograd::grad({(c2.logp * g).sum()}, {wt})[0];
+  auto r2 = unirl::ops::token_logprob<unirl::exec::reference>(torch::matmul(hf, wt.t()), t);
+  const auto gwr = torch::autograd::grad({(r2.logp * g).sum()}, {wt})[0];
+  CHECK(max_diff(gw, gwr) < 1e-10);
+}
+
 TEST_CASE("log-prob ops name bad shapes and targets", "[cpu][ops]") {
   auto logits = torch::zeros({3, 5});
   CHECK_THROWS_WITH(unirl::ops::token_logprob(logits, torch::tensor({0, 5, 1}, torch::kInt64)),

@@ -3,6 +3,7 @@
 // evaluation metrics BLEU and SSIM against published reference values.
 #include <catch2/catch.hpp>
 
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
@@ -15,16 +16,36 @@
 #include <torch/torch.h>
 
 #include <unirl/concepts/reward.hpp>
+#include <unirl/data/canvas.hpp>
 #include <unirl/eval/bleu.hpp>
 #include <unirl/eval/ssim.hpp>
+#include <unirl/models/vlm/vision_cache.hpp>
+#include <unirl/rewards/actions.hpp>
 #include <unirl/rewards/alignment.hpp>
+#include <unirl/rewards/clip.hpp>
+#include <unirl/rewards/consistency.hpp>
 #include <unirl/rewards/model.hpp>
 #include <unirl/rewards/rules.hpp>
 #include <unirl/rewards/weighted.hpp>
 #include <unirl/rollout/flow.hpp>
 #include <unirl/rollout/token.hpp>
 
+#include <common/digits.hpp>
+
 #include "test_batches.hpp"
+
+#if UNIRL_HAS_STB  // an independent PNG reader for save_canvas_grid's output
+#define STB_IMAGE_STATIC
+#define STB_IMAGE_IMPLEMENTATION
+#if defined(__GNUC__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wunused-function"
+#endif
+#include <stb_image.h>
+#if defined(__GNUC__)
+#pragma GCC diagnostic pop
+#endif
+#endif
 
 using namespace unirl::rewards;
 using rewards_test::fixed_scorer;
@@ -445,4 +466,485 @@ TEST_CASE("learned_reward loads a TorchScript reward model", "[cpu][rewards]") {
   CHECK_THROWS_AS(torchscript_model((dir / "missing.pt").string()), unirl::runtime_failure);
   CHECK_THROWS_WITH(torchscript_model((dir / "missing.pt").string()), Catch::Contains("missing.pt"));
   std::filesystem::remove_all(dir);
+}
+
+// ---- Vision-language tasks: canvases of real digits, box text, agent actions -------------------
+
+namespace {
+const examples::digits& real_digits() {
+  static const auto d = examples::load_digits(std::string(UNIRL_TEST_DATA_DIR) + "/digits.csv.gz");
+  return d;
+}
+}  // namespace
+
+static_assert(ScorerFor<click_reward, text_batch>);
+static_assert(unirl::ReportsComponents<click_reward>);
+static_assert(!ScorerFor<click_reward, image_batch>);
+static_assert(unirl::options::reflects_every_member<click_reward_options>);
+static_assert(unirl::options::reflects_every_member<unirl::data::canvas_options>);
+static_assert(unirl::options::reflects_every_member<unirl::data::canvas_grid_options>);
+
+TEST_CASE("digit_canvas places real digits without overlap, reproducibly, with their labels and boxes",
+          "[cpu][rewards][vlm]") {
+  const auto& d = real_digits();
+  REQUIRE(d.images.size(0) == 1797);
+  unirl::data::digit_canvas make(d.images, d.labels, {.size = 48, .min_digits = 1, .max_digits = 3, .max_scale = 2});
+  std::vector<int> counts(4, 0), scales(3, 0);
+  for (std::uint64_t seed = 0; seed < 300; ++seed) {
+    const auto c = make(seed);
+    REQUIRE(c.image.sizes() == torch::IntArrayRef({1, 48, 48}));
+    const auto k = c.labels.size();
+    REQUIRE((k >= 1 && k <= 3 && c.boxes.size() == k && c.sources.size() == k));
+    ++counts[k];
+    auto covered = torch::zeros({48, 48}, torch::kBool);
+    for (std::size_t i = 0; i < k; ++i) {
+      const auto& b = c.boxes[i];
+      const auto side = b.width();
+      REQUIRE((b.height() == side && (side == 8 || side == 16)));
+      ++scales[static_cast<std::size_t>(side / 8)];
+      REQUIRE((b.x1 >= 0 && b.y1 >= 0 && b.x2 <= 48 && b.y2 <= 48));
+      for (std::size_t j = 0; j < i; ++j) {  // no shared pixel with an earlier digit
+        const auto& o = c.boxes[j];
+        CHECK((b.x2 <= o.x1 || o.x2 <= b.x1 || b.y2 <= o.y1 || o.y2 <= b.y1));
+        CHECK(c.labels[i] != c.labels[j]);  // distinct_labels
+      }
+      // The label is the data set's, and the box holds that very image, nearest-neighbour scaled.
+      const auto src = c.sources[i];
+      CHECK(c.labels[i] == d.labels[src].item<std::int64_t>());
+      const auto s = side / 8;
+      const auto img = c.image.accessor<float, 3>();
+      const torch::Tensor digit_image = d.images[src][0];
+      const auto digit = digit_image.accessor<float, 2>();
+      for (std::int64_t y = 0; y < side; ++y)
+        for (std::int64_t x = 0; x < side; ++x) REQUIRE(img[0][b.y1 + y][b.x1 + x] == digit[y / s][x / s]);
+      covered.slice(0, b.y1, b.y2).slice(1, b.x1, b.x2).fill_(true);
+    }
+    CHECK(c.image[0].masked_select(covered.logical_not()).abs().sum().item<float>() == 0.0f);  // blank elsewhere
+  }
+  CHECK(counts[1] > 50);
+  CHECK(counts[2] > 50);
+  CHECK(counts[3] > 50);
+  CHECK(scales[1] > 50);
+  CHECK(scales[2] > 50);
+  // The same seed draws the same canvas; another seed another one.
+  const auto a = make(17), b = make(17), c = make(18);
+  CHECK(torch::equal(a.image, b.image));
+  CHECK(a.boxes == b.boxes);
+  CHECK(a.labels == b.labels);
+  CHECK(!(torch::equal(a.image, c.image) && a.boxes == c.boxes));
+  // A single digit for VQA: the image alone, scaled, with its label.
+  const auto one = make.digit(5, 2);
+  CHECK(one.image.sizes() == torch::IntArrayRef({1, 16, 16}));
+  CHECK(one.labels == std::vector<std::int64_t>{d.labels[5].item<std::int64_t>()});
+  CHECK(one.boxes == std::vector<unirl::data::pixel_box>{{0, 0, 16, 16}});
+  CHECK(one.image[0][15][15].item<float>() == d.images[5][0][7][7].item<float>());
+  CHECK(make.single(3).image.size(1) % 8 == 0);
+  // Bad settings and inputs are refused, naming the value.
+  CHECK_THROWS_WITH(unirl::data::digit_canvas(d.images, d.labels, {.size = 16, .max_digits = 3, .max_scale = 2}),
+                    Catch::Contains("size"));
+  CHECK_THROWS_WITH(unirl::data::digit_canvas(d.images, d.labels.slice(0, 0, 5)), Catch::Contains("one integer label"));
+  CHECK_THROWS_WITH(make.digit(1797), Catch::Contains("index = 1797"));
+}
+
+TEST_CASE("box_text writes canvas boxes as iou_reward reads them", "[cpu][rewards][vlm]") {
+  const auto& d = real_digits();
+  unirl::data::digit_canvas make(d.images, d.labels, {.size = 32, .min_digits = 2, .max_digits = 3});
+  const auto c = make(5);
+  const auto& b = c.boxes[0];
+  using unirl::data::box_style;
+  CHECK(unirl::data::box_text({3, 10, 11, 18}) == "[3, 10, 11, 18]");
+  CHECK(unirl::data::box_text({3, 10, 11, 18}, box_style::corners) == "(3,10),(11,18)");
+  // The reference is the canvas box; answers in either style. A box shifted by 4 pixels along x
+  // overlaps 4 x 8 = 32 pixels of a union of 64 + 64 - 32 = 96: IoU 1/3.
+  const auto ref = unirl::data::box_text(b);
+  const unirl::data::pixel_box shifted{b.x1 + 4, b.y1, b.x2 + 4, b.y2};
+  text_batch batch{.completions = {"It is at " + unirl::data::box_text(b, box_style::corners),
+                                   unirl::data::box_text(b),
+                                   "box: " + unirl::data::box_text(shifted, box_style::corners),
+                                   unirl::data::box_text(c.boxes[1]),
+                                   "somewhere",
+                                   "The " + std::to_string(c.labels[0]) + " is at " + unirl::data::box_text(b)},
+                   .references = {ref, ref, ref, ref, ref, ref}};
+  const auto r = values(iou_reward{}(batch));
+  CHECK(r[0] == Approx(1.0));
+  CHECK(r[1] == Approx(1.0));
+  CHECK(r[2] == Approx(1.0 / 3.0));
+  CHECK(r[3] == 0.0f);  // another digit: no overlap
+  CHECK(r[4] == 0.0f);
+  // iou_reward reads the FIRST four numbers: an answer that names the digit before the box is
+  // read as the box (label, x1, y1, x2) — the task's answer format must be the box alone.
+  CHECK(r[5] < 0.5f);
+}
+
+TEST_CASE("parse_action reads click / scroll / type and refuses malformed text with a reason", "[cpu][rewards][vlm]") {
+  auto a = parse_action("click(12, 30)");
+  REQUIRE(a);
+  CHECK(a.action->type == action_type::click);
+  CHECK(a.action->x == 12.0);
+  CHECK(a.action->y == 30.0);
+  a = parse_action("  Click ( 12.5 ,\t-3 )\n");
+  REQUIRE(a);
+  CHECK((a.action->x == 12.5 && a.action->y == -3.0));
+  a = parse_action("scroll(12, 30, down)");
+  REQUIRE(a);
+  CHECK((a.action->type == action_type::scroll && a.action->dx == 0.0 && a.action->dy == 1.0));
+  a = parse_action("scroll(1, 2, LEFT)");
+  REQUIRE(a);
+  CHECK((a.action->dx == -1.0 && a.action->dy == 0.0));
+  a = parse_action("scroll(1, 2, 0, -4.5)");
+  REQUIRE(a);
+  CHECK((a.action->dx == 0.0 && a.action->dy == -4.5));
+  a = parse_action(R"(type(12, 30, "7"))");
+  REQUIRE(a);
+  CHECK((a.action->type == action_type::type && a.action->text == "7"));
+  a = parse_action(R"(type(0, 0, "say \"hi\"\\\n"))");
+  REQUIRE(a);
+  CHECK(a.action->text == "say \"hi\"\\\n");
+  CHECK(to_string(*a.action) == R"(type(0, 0, "say \"hi\"\\\n"))");
+  // Malformed: each refused with the reason and where.
+  const std::vector<std::pair<std::string, std::string>> bad{
+      {"", "expected an action name"},
+      {"clik(1, 2)", "expected an action name"},
+      {"clicked(1, 2)", "expected an action name"},
+      {"click 1, 2", "expected '('"},
+      {"click(12, 30", "expected ')'"},
+      {"click(12 30)", "expected ','"},
+      {"click(nan, 1)", "expected a number"},
+      {"click(inf, 1)", "expected a number"},
+      {"click(1e400, 1)", "malformed number"},
+      {"click(0x1F, 1)", "malformed number"},
+      {"click(1.2.3, 4)", "malformed number"},
+      {"click(99999999999, 1)", "beyond"},
+      {"click(" + std::string(40, '1') + ", 1)", "a number of 40 characters"},
+      {"click((1, 2))", "expected a number"},
+      {"click(click(1, 2), 3)", "expected a number"},
+      {"click(1, 2) and more", "unexpected text after the action"},
+      {"scroll(1, 2, sideways)", "expected a number"},
+      {"scroll(1, 2)", "expected ','"},
+      {R"(type(1, 2, "abc))", "unterminated text"},
+      {R"(type(1, 2, "a\qb"))", "unknown escape"},
+      {"type(1, 2, \"a\x01\")", "control byte"},
+      {R"(type(1, 2, ")" + std::string(100, 'x') + R"("))", "longer than 64 bytes"},
+      {"click(1, 2)" + std::string(400, ' '), "bytes long"},
+      {std::string(1 << 20, '('), "bytes long"}};
+  for (const auto& [text, why] : bad) {
+    INFO(text.substr(0, 60));
+    const auto r = parse_action(text);
+    CHECK_FALSE(r);
+    CHECK_THAT(r.error, Catch::Contains(why));
+  }
+  CHECK(parse_action("click(12,  30").position == 13);
+  // Limits are settings.
+  CHECK_FALSE(parse_action("click(120, 3)", {.max_coordinate = 100}));
+  CHECK(parse_action("click(100, 3)", {.max_coordinate = 100}));
+  // find_action: the first action written in prose; positions are byte offsets of the text.
+  auto f = find_action("The 7 is top left, so I click(12, 30). Then scroll(1, 2, up).");
+  REQUIRE(f);
+  CHECK((f.action->type == action_type::click && f.action->x == 12.0 && f.position == 24));
+  f = find_action("typing... then type(3, 4, \"ok\")");
+  REQUIRE(f);
+  CHECK((f.action->type == action_type::type && f.position == 15));
+  CHECK_THAT(find_action("I cannot see it").error, Catch::Contains("no action"));
+  CHECK_THAT(find_action("click(1, two)").error, Catch::Contains("position 9"));
+  // A megabyte of near-actions is refused fast (each candidate reads at most max_length bytes).
+  std::string junk;
+  while (junk.size() < (1u << 20)) junk += "click(1, 2 scroll(type(\"";
+  const auto t0 = std::chrono::steady_clock::now();
+  CHECK_FALSE(find_action(junk));
+  CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(5));
+}
+
+TEST_CASE("click_reward: 1 inside the box, 0 elsewhere, `invalid` when unparsable, and counts", "[cpu][rewards][vlm]") {
+  // Box [8, 24, 16, 32] covers pixels x 8..15, y 24..31.
+  const std::string box = "[8, 24, 16, 32]";
+  text_batch b{.completions = {"click(12, 30)", "click(8, 24)", "click(15.9, 31.9)", "click(16, 30)", "click(12, 23.5)",
+                               "scroll(12, 30, down)", "type(12, 30, \"7\")", "clik(12, 30)", "click(12, nan)",
+                               "I click(10, 25) it", ""},
+               .references = std::vector<std::string>(11, box)};
+  click_reward reward{{.invalid = -0.5}};
+  CHECK(values(reward(b)) == std::vector<float>{1, 1, 1, 0, 0, 0, 0, -0.5f, -0.5f, 1, -0.5f});
+  auto figures = reward.last_components();
+  CHECK(figures["malformed"] == 3.0);
+  CHECK(figures["clicks"] == 6.0);
+  CHECK(figures["hits"] == 4.0);
+  CHECK(figures["malformed_fraction"] == Approx(3.0 / 11.0));
+  // whole = true: prose around the action makes it malformed; the default invalid is 0.
+  click_reward strict{{.whole = true}};
+  CHECK(values(strict(b))[9] == 0.0f);
+  CHECK(strict.last_components()["malformed"] == 4.0);
+  // The reference may be written as corners; a reference without a box is an error naming it.
+  text_batch corners{.completions = {"click(9, 25)"}, .references = {"(8,24),(16,32)"}};
+  CHECK(values(click_reward{}(corners)) == std::vector<float>{1});
+  text_batch no_box{.completions = {"click(1, 2)"}, .references = {"the 7"}};
+  CHECK_THROWS_WITH(click_reward{}(no_box), Catch::Contains("'the 7'"));
+  CHECK_THROWS_WITH(click_reward({.hit = std::nan("")}), Catch::Contains("hit"));
+}
+
+TEST_CASE("save_canvas_grid draws canvases with true and predicted boxes and clicks", "[cpu][rewards][vlm]") {
+#if UNIRL_HAS_STB
+  const auto& d = real_digits();
+  unirl::data::digit_canvas make(d.images, d.labels, {.size = 32, .min_digits = 2, .max_digits = 2});
+  const auto c0 = make(1), c1 = make(2);
+  const unirl::data::pixel_box pred{2, 3, 10, 11};
+  const auto dir = make_temp_dir("unirl-canvas-grid");
+  const auto path = (dir / "sub" / "grid.png").string();
+  unirl::data::save_canvas_grid(path, {c0.image, c1.image}, {{pred}, {}}, {c0.boxes, c1.boxes}, {{}, {{20.0, 5.0}}},
+                                {.zoom = 2, .columns = 2, .gap = 4});
+  int w = 0, h = 0, n = 0;
+  unsigned char* px = stbi_load(path.c_str(), &w, &h, &n, 3);
+  REQUIRE(px != nullptr);
+  CHECK(w == 2 * 64 + 3 * 4);  // two 32-pixel canvases at zoom 2, three gaps
+  CHECK(h == 64 + 2 * 4);
+  auto at = [&](int x, int y) {
+    const auto* p = px + (static_cast<std::size_t>(y) * w + x) * 3;
+    return std::array<int, 3>{p[0], p[1], p[2]};
+  };
+  // Canvas 0 starts at (4, 4): the predicted box's top-left corner is red, the true box's green.
+  CHECK(at(4 + 2 * 2, 4 + 3 * 2) == std::array<int, 3>{230, 0, 0});
+  const auto& tb = c0.boxes[1];
+  CHECK(at(4 + static_cast<int>(tb.x1) * 2, 4 + static_cast<int>(tb.y1) * 2) == std::array<int, 3>{0, 200, 0});
+  // Canvas 1 starts at (4 + 64 + 4, 4): the click at pixel (20, 5) is blue.
+  CHECK(at(72 + 40, 4 + 10) == std::array<int, 3>{0, 90, 255});
+  // A pixel of ink away from the outlines is grey 255 * (1 - value).
+  const auto& ib = c1.boxes[0];
+  bool found = false;
+  for (int y = 1; y < 7 && !found; ++y)
+    for (int x = 1; x < 7 && !found; ++x) {
+      const float v = c1.image[0][ib.y1 + y][ib.x1 + x].item<float>();
+      if (v > 0.5f && !(ib.x1 + x >= 17 && ib.x1 + x <= 23 && ib.y1 + y >= 2 && ib.y1 + y <= 8)) {  // not under the click
+        const int g = static_cast<int>(std::lround(255.0 * (1.0 - v)));
+        CHECK(at(72 + static_cast<int>(ib.x1 + x) * 2 + 1, 4 + static_cast<int>(ib.y1 + y) * 2 + 1) ==
+              std::array<int, 3>{g, g, g});
+        found = true;
+      }
+    }
+  CHECK(found);
+  stbi_image_free(px);
+  CHECK_THROWS_WITH(unirl::data::save_canvas_grid(path, {c0.image}, {{pred}, {pred}}, {}, {}), Catch::Contains("2 lists of boxes"));
+  std::filesystem::remove_all(dir);
+#else
+  WARN("skipped: unirl built without stb");
+#endif
+}
+
+// ---- Model rewards of the vision-language tasks: CLIP-style alignment and learned consistency ------
+
+namespace {
+// Captions of a digit class: the numeral, its name, "a <name>", "the digit <numeral>".
+const std::array<const char*, 10> digit_names{"zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"};
+std::string digit_caption(std::int64_t label, std::size_t form) {
+  const std::string name = digit_names[static_cast<std::size_t>(label)], num = std::to_string(label);
+  switch (form % 4) {
+    case 0: return num;
+    case 1: return name;
+    case 2: return "a " + name;
+    default: return "the digit " + num;
+  }
+}
+// The VLM's image table for 8x8 grey digits (2x2 patches of 4x4 pixels, CLS dropped: 4 ids each).
+unirl::models::vlm::vision_cache digit_table(std::int64_t vocab) {
+  unirl::models::vision::vision_config v;
+  v.image_size = 8;
+  v.patch_size = 4;
+  v.num_channels = 1;
+  return unirl::models::vlm::vision_cache(vocab, v);
+}
+// A token-track batch: prompt i = [1, image-slot ids of image slots[i]..., 2] (left-padded by a 0
+// in front of every other row), one completion text each.
+unirl::token_rollout vlm_batch(const unirl::models::vlm::vision_cache& table, const std::vector<std::int64_t>& slots,
+                               const std::vector<std::string>& texts) {
+  const auto B = static_cast<std::int64_t>(slots.size());
+  const auto n = table.tokens(0);
+  unirl::token_rollout b;
+  b.prompt_ids = torch::zeros({B, n + 3}, torch::kInt64);
+  b.prompt_mask = torch::zeros({B, n + 3});
+  for (std::int64_t i = 0; i < B; ++i) {
+    const std::int64_t start = i % 2 == 0 ? 1 : 0;  // row i % 2 == 0 has one pad in front
+    b.prompt_ids[i][start] = 1;
+    for (std::int64_t k = 0; k < n; ++k) b.prompt_ids[i][start + 1 + k] = table.token_id(slots[static_cast<std::size_t>(i)]);
+    b.prompt_ids[i][start + 1 + n] = 2;
+    b.prompt_mask[i].narrow(0, start, n + 2).fill_(1);
+  }
+  b.completion_ids = torch::zeros({B, 1}, torch::kInt64);
+  b.completion_mask = torch::ones({B, 1});
+  b.prompt_index = torch::arange(B);
+  b.completions = texts;
+  return b;
+}
+}  // namespace
+
+static_assert(unirl::options::reflects_every_member<clip_config>);
+static_assert(unirl::options::reflects_every_member<encoder_train_options>);
+static_assert(unirl::options::reflects_every_member<classifier_config>);
+static_assert(unirl::options::reflects_every_member<answer_class_options>);
+static_assert(ScorerFor<clip_alignment<slot_images<unirl::models::vlm::vision_cache>>, unirl::token_rollout>);
+static_assert(ScorerFor<clip_alignment<prompt_images>, unirl::token_rollout>);
+static_assert(ScorerFor<consistency_reward<slot_images<unirl::models::vlm::vision_cache>>, unirl::token_rollout>);
+static_assert(!ScorerFor<clip_alignment<slot_images<unirl::models::vlm::vision_cache>>, text_batch>);  // no prompt_ids
+
+TEST_CASE("info_nce_loss is CLIP's symmetric cross-entropy, on hand values", "[cpu][rewards][vlm]") {
+  // Images [2, 0], [0, 3] (normalised: e1, e2); texts [0.6, 0.8], [0, 1]; exp(logit_scale) = 2.
+  // L[i][j] = 2 cos(img_i, txt_j) = [[1.2, 0], [1.6, 2]].
+  auto img = torch::tensor({2.0f, 0.0f, 0.0f, 3.0f}).view({2, 2});
+  auto txt = torch::tensor({0.6f, 0.8f, 0.0f, 1.0f}).view({2, 2});
+  auto scale = torch::tensor(std::log(2.0f));
+  const double L[2][2] = {{1.2, 0.0}, {1.6, 2.0}};
+  auto lse2 = [](double a, double b) { return std::log(std::exp(a) + std::exp(b)); };
+  const double i2t = ((lse2(L[0][0], L[0][1]) - L[0][0]) + (lse2(L[1][0], L[1][1]) - L[1][1])) / 2;
+  const double t2i = ((lse2(L[0][0], L[1][0]) - L[0][0]) + (lse2(L[0][1], L[1][1]) - L[1][1])) / 2;
+  CHECK(info_nce_loss(img, txt, scale).item<double>() == Approx((i2t + t2i) / 2).epsilon(1e-5));
+  // Every pair positive: the targets are uniform over each row / column.
+  auto all = torch::ones({2, 2}, torch::kBool);
+  const double i2t_all = (-(0.5 * (L[0][0] - lse2(L[0][0], L[0][1])) + 0.5 * (L[0][1] - lse2(L[0][0], L[0][1]))) -
+                          (0.5 * (L[1][0] - lse2(L[1][0], L[1][1])) + 0.5 * (L[1][1] - lse2(L[1][0], L[1][1])))) / 2;
+  const double t2i_all = (-(0.5 * (L[0][0] - lse2(L[0][0], L[1][0])) + 0.5 * (L[1][0] - lse2(L[0][0], L[1][0]))) -
+                          (0.5 * (L[0][1] - lse2(L[0][1], L[1][1])) + 0.5 * (L[1][1] - lse2(L[0][1], L[1][1])))) / 2;
+  CHECK(info_nce_loss(img, txt, scale, all).item<double>() == Approx((i2t_all + t2i_all) / 2).epsilon(1e-5));
+  // The identity as positives is the plain loss; the temperature's gradient reaches logit_scale.
+  auto s = torch::tensor(std::log(2.0f)).requires_grad_(true);
+  auto loss = info_nce_loss(img, txt, s, torch::eye(2).to(torch::kBool));
+  CHECK(loss.item<double>() == Approx((i2t + t2i) / 2).epsilon(1e-5));
+  loss.backward();
+  REQUIRE(s.grad().defined());
+  // d loss / d log s = sum over both directions of (softmax - target) . L, halved: check numerically.
+  const double h = 1e-3;
+  const double up = info_nce_loss(img, txt, torch::tensor(std::log(2.0f) + static_cast<float>(h))).item<double>();
+  const double dn = info_nce_loss(img, txt, torch::tensor(std::log(2.0f) - static_cast<float>(h))).item<double>();
+  CHECK(s.grad().item<double>() == Approx((up - dn) / (2 * h)).epsilon(1e-2));
+  CHECK_THROWS_WITH(info_nce_loss(img, txt.narrow(0, 0, 1), scale), Catch::Contains("expected two (B, D)"));
+  CHECK_THROWS_WITH(info_nce_loss(img, txt, scale, torch::zeros({2, 2}, torch::kBool)), Catch::Contains("no positive pair"));
+}
+
+TEST_CASE("tiny_clip trained on the real digits: zero-shot classification and the alignment reward", "[cpu][rewards][vlm]") {
+  const auto& d = real_digits();
+  const std::int64_t N = d.images.size(0), held = 297, n_train = N - held;
+  std::vector<std::string> captions;
+  for (std::int64_t i = 0; i < n_train; ++i)
+    captions.push_back(digit_caption(d.labels[i].item<std::int64_t>(), static_cast<std::size_t>(i)));
+  torch::manual_seed(0);
+  tiny_clip clip{clip_config{}};
+  const auto tr = train_clip(clip, d.images.narrow(0, 0, n_train), captions, d.labels.narrow(0, 0, n_train),
+                             {.steps = 400, .batch = 64, .lr = 3e-3, .seed = 1});
+  CHECK(tr.last_loss < tr.first_loss);
+  // Zero-shot classification of the held-out digits by the class captions.
+  const auto test_x = d.images.narrow(0, n_train, held), test_y = d.labels.narrow(0, n_train, held);
+  double acc[4];
+  for (std::size_t form = 0; form < 4; ++form) {
+    std::vector<std::string> classes;
+    for (std::int64_t k = 0; k < 10; ++k) classes.push_back(digit_caption(k, form));
+    acc[form] = (zero_shot_classify(clip, test_x, classes) == test_y).to(torch::kFloat64).mean().item<double>();
+  }
+  WARN("tiny_clip: " << tr.seconds << " s training, loss " << tr.first_loss << " -> " << tr.last_loss
+                     << "; zero-shot held-out accuracy by \"7\" " << acc[0] << ", \"seven\" " << acc[1]
+                     << ", \"a seven\" " << acc[2] << ", \"the digit 7\" " << acc[3]);
+  for (double a : acc) CHECK(a >= 0.8);
+
+  // The reward on a token-track batch: each prompt shows a held-out digit through image-slot ids
+  // of the VLM's image table; each image is answered by all ten names.
+  auto table = std::make_shared<unirl::models::vlm::vision_cache>(digit_table(20));
+  const std::int64_t M = 40;
+  std::vector<std::int64_t> slots;
+  std::vector<std::string> texts;
+  for (std::int64_t i = 0; i < M; ++i) {
+    (void)table->add(test_x[i]);
+    for (std::int64_t k = 0; k < 10; ++k) {
+      slots.push_back(i);
+      texts.push_back(digit_names[static_cast<std::size_t>(k)]);
+    }
+  }
+  auto batch = vlm_batch(*table, slots, texts);
+  auto align = make_clip_alignment(clip, slot_images{table});
+  const auto r = align(batch).view({M, 10});
+  REQUIRE(r.size(0) == M);
+  auto right = r.gather(1, test_y.narrow(0, 0, M).unsqueeze(1)).squeeze(1);
+  auto wrong_mean = (r.sum(1) - right) / 9;
+  const double mean_right = right.mean().item<double>(), mean_wrong = wrong_mean.mean().item<double>();
+  const double top = (r.argmax(1) == test_y.narrow(0, 0, M)).to(torch::kFloat64).mean().item<double>();
+  WARN("clip_alignment on " << M << " held-out digits: mean cos of the right name " << mean_right << ", of the wrong ones "
+                            << mean_wrong << "; the right name scores highest for " << top);
+  CHECK(mean_right > mean_wrong + 0.2);
+  CHECK((right > wrong_mean).to(torch::kFloat64).mean().item<double>() >= 0.9);
+  // Sample 10*i + k reads image i: its reward is the cosine of that image's and that text's embeddings.
+  {
+    torch::NoGradGuard g;
+    auto e_img = clip->encode_image(test_x[3].unsqueeze(0));
+    auto e_txt = clip->encode_text({digit_names[5]});
+    CHECK(r[3][5].item<double>() ==
+          Approx(torch::cosine_similarity(e_img, e_txt, 1).item<double>()).margin(1e-5));
+  }
+  // The per-prompt table gives the same rewards (samples 10i..10i+9 answer prompt i).
+  prompt_images by_prompt;
+  for (std::int64_t i = 0; i < M; ++i) by_prompt.table->push_back(test_x[i]);
+  batch.prompt_index = torch::arange(M).repeat_interleave(10);
+  auto align2 = make_clip_alignment(clip, by_prompt);
+  CHECK(torch::allclose(align2(batch).view({M, 10}), r, 1e-5, 1e-6));
+  // Untrusted completions: empty, huge, binary — a score each, no error.
+  auto odd = vlm_batch(*table, {0, 1, 2}, {"", std::string(200000, 'x'), std::string("\xff\x00\x80 7", 5)});
+  CHECK(torch::isfinite(align(odd)).all().item<bool>());
+  // A prompt without an image, and a table cleared since the prompts were made: clear errors.
+  auto no_image = vlm_batch(*table, {0}, {"seven"});
+  no_image.prompt_ids.fill_(1);
+  CHECK_THROWS_WITH(align(no_image), Catch::Contains("has no image-slot id"));
+  table->clear();
+  CHECK_THROWS_WITH(align(odd), Catch::Contains("image table holds 0"));
+}
+
+TEST_CASE("consistency_reward: a digit classifier scores answers consistent with the image above others", "[cpu][rewards][vlm]") {
+  // The answer's class: the last whole number, else the last class name; else none.
+  CHECK(answer_class("7", 10) == 7);
+  CHECK(answer_class("It is 3, not 8.", 10) == 8);
+  CHECK(answer_class("Seven", 10) == 7);
+  CHECK(answer_class("one or maybe nine", 10) == 9);
+  CHECK(answer_class("12", 10) == -1);
+  CHECK(answer_class("7.5", 10) == -1);
+  CHECK(answer_class("1e999", 10) == -1);
+  CHECK(answer_class("", 10) == -1);
+  CHECK(answer_class("sevens", 10) == -1);
+  CHECK(answer_class(std::string(100000, '9'), 10) == -1);
+
+  const auto& d = real_digits();
+  const std::int64_t N = d.images.size(0), held = 297, n_train = N - held;
+  torch::manual_seed(0);
+  digit_classifier clf{classifier_config{}};
+  const auto tr = train_digit_classifier(clf, d.images.narrow(0, 0, n_train), d.labels.narrow(0, 0, n_train),
+                                         {.steps = 300, .batch = 64, .lr = 3e-3, .seed = 2});
+  const auto test_x = d.images.narrow(0, n_train, held), test_y = d.labels.narrow(0, n_train, held);
+  double acc = 0;
+  {
+    torch::NoGradGuard g;
+    acc = (clf->forward(test_x).argmax(1) == test_y).to(torch::kFloat64).mean().item<double>();
+  }
+  // Each held-out digit answered consistently ("It is 7.") and inconsistently (the next digit's name).
+  auto table = std::make_shared<unirl::models::vlm::vision_cache>(digit_table(20));
+  std::vector<std::int64_t> slots;
+  std::vector<std::string> texts;
+  for (std::int64_t i = 0; i < held; ++i) {
+    (void)table->add(test_x[i]);
+    const auto y = test_y[i].item<std::int64_t>();
+    slots.push_back(i);
+    texts.push_back("It is " + std::to_string(y) + ".");
+    slots.push_back(i);
+    texts.push_back(digit_names[static_cast<std::size_t>((y + 1) % 10)]);
+  }
+  auto consistent = make_consistency_reward(clf, slot_images{table}, {}, {.chunk_size = 128});
+  const auto r = consistent(vlm_batch(*table, slots, texts)).view({held, 2});
+  const double mean_ok = r.select(1, 0).mean().item<double>(), mean_bad = r.select(1, 1).mean().item<double>();
+  const double ranked = (r.select(1, 0) > r.select(1, 1)).to(torch::kFloat64).mean().item<double>();
+  WARN("digit_classifier: " << tr.seconds << " s training, loss " << tr.first_loss << " -> " << tr.last_loss
+                            << ", held-out accuracy " << acc << "; consistency reward on " << held
+                            << " held-out digits: consistent " << mean_ok << ", inconsistent " << mean_bad
+                            << ", consistent above inconsistent for " << ranked);
+  CHECK(acc >= 0.85);
+  CHECK(mean_ok > mean_bad + 0.5);
+  CHECK(ranked >= 0.9);
+  // The reward is the classifier's probability of the answered class (sample 0: consistent).
+  {
+    torch::NoGradGuard g;
+    const auto y0 = test_y[0].item<std::int64_t>();
+    CHECK(r[0][0].item<double>() == Approx(torch::softmax(clf->forward(test_x.narrow(0, 0, 1)), 1)[0][y0].item<double>()).margin(1e-5));
+  }
+  // Answers naming no digit get `invalid`; malformed text never throws.
+  auto odd = vlm_batch(*table, {0, 1, 2, 3}, {"", "12", std::string(300000, '('), "no idea"});
+  CHECK(values(make_consistency_reward(clf, slot_images{table}, {.invalid = -1.0})(odd)) == std::vector<float>{-1, -1, -1, -1});
+  CHECK_THROWS_WITH(make_consistency_reward(clf, slot_images{table}, {}, {.crops = 1}), Catch::Contains("do not apply"));
 }

@@ -1461,6 +1461,19 @@ TEST_CASE("sft_trainer: resume from a checkpoint is bit-identical", "[cpu][sft]"
   CHECK(c.run(next).steps == 0);
   CHECK(c.step_count() == 6);
   CHECK_THROWS_WITH(c.load((dir / "missing.pt").string()), Catch::Contains("no such file"));
+  // Extra states (a data set's position) are checked against the checkpoint before anything changes.
+  struct position {
+    std::int64_t at = 0;
+    void save(torch::serialize::OutputArchive& a) const { a.write("at", torch::tensor(at)); }
+    void load(torch::serialize::InputArchive& a) {
+      torch::Tensor t;
+      a.read("at", t);
+      at = t.item<std::int64_t>();
+    }
+  } pos;
+  CHECK_THROWS_WITH(c.load((dir / "run" / "checkpoints" / "step-00000006.pt").string(), pos),
+                    Catch::Contains("supervised_trainer::load") && Catch::Contains("extra.0 is missing from the checkpoint"));
+  CHECK(c.step_count() == 6);
   fs::remove_all(dir);
 }
 

@@ -21,6 +21,7 @@
 #include <unirl/models/flow_nets.hpp>
 #include <unirl/models/gpt.hpp>
 #include <unirl/models/hf/causal_lm.hpp>
+#include <unirl/models/lora.hpp>
 #include <unirl/rollout/token_sampler.hpp>
 #include <unirl/train/memory.hpp>
 #include <unirl/trainer.hpp>
@@ -247,6 +248,47 @@ TEST_CASE("checkpoint: Hugging Face decoders (Llama, Qwen2, Qwen3, GPT-2) equal 
     ck.set_checkpointing({});
     CHECK_FALSE(ck.net()->checkpoint_layers());
   }
+}
+
+TEST_CASE("checkpoint with LoRA: adapter gradients equal the plain path, with dropout, base frozen (float64)",
+          "[cpu][memory][checkpoint][lora]") {
+  namespace hf = models::hf;
+  torch::manual_seed(11);
+  hf::causal_lm plain(tiny_hf(hf::architecture::qwen2));
+  lora::apply(plain, {.rank = 4, .alpha = 8, .dropout = 0.2});
+  plain.net()->to(torch::kDouble);
+  {
+    torch::NoGradGuard ng;  // B starts at zero; give it values so every adapter's A gets a gradient too
+    for (auto& [n, p] : plain.named_parameters())
+      if (n.find("lora_B") != std::string::npos) p.normal_(0.0, 0.05);
+  }
+  hf::causal_lm ck = plain.clone();
+  ck.set_checkpointing({"decoder_blocks"});
+  plain.train(true);
+  ck.train(true);  // adapter dropout draws masks: the recomputation must draw the same ones
+  const auto ids = torch::randint(0, 40, {2, 9}, torch::kInt64);
+  const auto mask = torch::ones({2, 9});
+  const auto w = torch::randn({2, 9, 40}, torch::kDouble);
+  torch::manual_seed(5);
+  const auto [lp, gp] = loss_and_grads(*plain.net(), [&] { return (plain.logits(ids, mask) * w).sum(); });
+  torch::manual_seed(5);
+  const auto [lc, gc] = loss_and_grads(*ck.net(), [&] { return (ck.logits(ids, mask) * w).sum(); });
+  CHECK(torch::equal(lp, lc));
+  CHECK(max_diff(gp, gc) < 1e-10);
+  std::int64_t adapters = 0;
+  for (const auto& [n, p] : ck.named_parameters()) {
+    CAPTURE(n);
+    const bool adapter = n.find(".lora_") != std::string::npos;
+    CHECK(p.requires_grad() == adapter);
+    if (adapter) {
+      ++adapters;
+      REQUIRE(p.grad().defined());
+      CHECK(p.grad().abs().max().item<double>() > 1e-6);
+    } else {
+      CHECK_FALSE(p.grad().defined());  // frozen base: no gradient computed, none stored
+    }
+  }
+  CHECK(adapters == 2 * 7 * tiny_hf(hf::architecture::qwen2).num_hidden_layers);  // q k v o gate up down, A and B
 }
 
 TEST_CASE("checkpoint: the flow nets' blocks equal the plain path (float64)", "[cpu][memory][checkpoint][flow]") {

@@ -411,7 +411,12 @@ class llama_model_impl : public torch::nn::Cloneable<llama_model_impl> {
   /// ids (B, n), positions (B, n), bias (B, 1, n, S) -> final hidden states (B, n, hidden).
   torch::Tensor forward(const torch::Tensor& ids, const torch::Tensor& positions, const torch::Tensor& bias,
                         kv_cache* cache, std::int64_t start) {
-    auto x = embed_tokens(ids);
+    return forward_from_embeddings(embed_tokens(ids), positions, bias, cache, start);
+  }
+  /// The same from input embeddings x0 (B, n, hidden) instead of ids.
+  torch::Tensor forward_from_embeddings(const torch::Tensor& x0, const torch::Tensor& positions,
+                                        const torch::Tensor& bias, kv_cache* cache, std::int64_t start) {
+    auto x = x0;
     const auto [cos, sin] = rope_cos_sin(positions, c_.head_size(), c_.rope_theta, x.scalar_type());
     const bool recompute = checkpoint_layers && torch::GradMode::is_enabled();
     std::size_t l = 0;
@@ -525,7 +530,12 @@ class gpt2_model_impl : public torch::nn::Cloneable<gpt2_model_impl> {
   }
   torch::Tensor forward(const torch::Tensor& ids, const torch::Tensor& positions, const torch::Tensor& bias,
                         kv_cache* cache, std::int64_t start) {
-    auto x = wte(ids) + wpe(positions);
+    return forward_from_embeddings(wte(ids), positions, bias, cache, start);
+  }
+  /// The same from token embeddings x0 (B, n, hidden) instead of ids (positions are added here).
+  torch::Tensor forward_from_embeddings(const torch::Tensor& x0, const torch::Tensor& positions,
+                                        const torch::Tensor& bias, kv_cache* cache, std::int64_t start) {
+    auto x = x0 + wpe(positions);
     const bool recompute = checkpoint_layers && torch::GradMode::is_enabled();
     std::size_t l = 0;
     for (const auto& block : *h) {
@@ -613,9 +623,22 @@ class decoder_net_impl : public torch::nn::Cloneable<decoder_net_impl>, public l
                     kv_cache* cache, std::int64_t start, bool head = true) {
     const auto h = c_.is_gpt2() ? transformer->forward(ids, positions, bias, cache, start)
                                 : model->forward(ids, positions, bias, cache, start);
-    if (!head) return h;
-    if (out_dim_ > 0) return score(h);
-    return detail::dense(h, head_weight());
+    return finish(h, head);
+  }
+  /// `run` from input embeddings x (B, n, hidden) instead of ids.
+  torch::Tensor run_from_embeddings(const torch::Tensor& x, const torch::Tensor& positions, const torch::Tensor& bias,
+                                    kv_cache* cache, std::int64_t start, bool head = true) {
+    const auto h = c_.is_gpt2() ? transformer->forward_from_embeddings(x, positions, bias, cache, start)
+                                : model->forward_from_embeddings(x, positions, bias, cache, start);
+    return finish(h, head);
+  }
+
+  /// The token embeddings (B, n, hidden) of ids (B, n) (`model.embed_tokens` / `transformer.wte`):
+  /// the input of the `*_from_embeddings` forwards, e.g. with some rows replaced by image
+  /// features (models/vlm). GPT-2's position embeddings are added by those forwards.
+  torch::Tensor embed(const torch::Tensor& ids) {
+    check_ids(ids);
+    return c_.is_gpt2() ? transformer->wte(ids) : model->embed_tokens(ids);
   }
 
   /// Full forward: ids (B, L) int64, mask (B, L) (1 = real token) -> (B, L, out), or the final
@@ -626,6 +649,15 @@ class decoder_net_impl : public torch::nn::Cloneable<decoder_net_impl>, public l
     const auto positions = (m.cumsum(1) - 1.0).clamp_min(0.0).to(torch::kInt64);
     check_positions(positions);
     return run(ids, positions, detail::attention_bias(m.to(torch::kBool), 0, ids.size(1)), nullptr, 0, head);
+  }
+  /// `forward` from input embeddings x (B, L, hidden) instead of ids.
+  torch::Tensor forward_from_embeddings(const torch::Tensor& x, const torch::Tensor& mask, bool head = true) {
+    check_embeddings(x, mask);
+    const auto m = mask.to(torch::kFloat);
+    const auto positions = (m.cumsum(1) - 1.0).clamp_min(0.0).to(torch::kInt64);
+    check_positions(positions);
+    return run_from_embeddings(x, positions, detail::attention_bias(m.to(torch::kBool), 0, x.size(1)), nullptr, 0,
+                               head);
   }
 
   /// Packed forward: ids, positions (restarting at 0 for every sequence), segments (R, N) int64
@@ -640,6 +672,19 @@ class decoder_net_impl : public torch::nn::Cloneable<decoder_net_impl>, public l
     UNIRL_CHECK(pos.numel() == 0 || pos.min().item<std::int64_t>() >= 0, "hf::causal_lm: packed positions must be >= 0");
     check_positions(pos);
     return run(ids, pos, detail::packed_bias(segments), nullptr, 0, head);
+  }
+  /// `forward_packed` from input embeddings x (R, N, hidden) instead of ids.
+  torch::Tensor forward_packed_from_embeddings(const torch::Tensor& x, const torch::Tensor& positions,
+                                               const torch::Tensor& segments, bool head = true) {
+    UNIRL_CHECK(x.dim() == 3 && x.size(2) == c_.hidden_size, "hf::causal_lm: packed embeddings must be (R, N, ",
+                "hidden_size = ", c_.hidden_size, "), got sizes ", x.sizes());
+    const auto sizes = x.sizes().slice(0, 2);
+    UNIRL_CHECK(positions.sizes() == sizes && segments.sizes() == sizes, "hf::causal_lm: packed positions ",
+                positions.sizes(), " and segments ", segments.sizes(), " must have the embeddings' (R, N) = ", sizes);
+    const auto pos = positions.to(torch::kInt64);
+    UNIRL_CHECK(pos.numel() == 0 || pos.min().item<std::int64_t>() >= 0, "hf::causal_lm: packed positions must be >= 0");
+    check_positions(pos);
+    return run_from_embeddings(x, pos, detail::packed_bias(segments), nullptr, 0, head);
   }
 
   /// An empty cache for `batch` sequences of up to `capacity` tokens: per layer (B, H_kv, capacity, D).
@@ -662,21 +707,18 @@ class decoder_net_impl : public torch::nn::Cloneable<decoder_net_impl>, public l
   /// Incremental forward of the next n tokens: ids (B, n), mask (B, n) -> (B, n, out | hidden).
   torch::Tensor forward_cached(const torch::Tensor& ids, const torch::Tensor& mask, kv_cache& c, bool head = true) {
     check_inputs(ids, mask);
-    const auto n = ids.size(1), start = c.length;
-    UNIRL_CHECK(static_cast<std::int64_t>(c.k.size()) == c_.num_hidden_layers && c.mask.defined() &&
-                    c.mask.size(0) == ids.size(0),
-                "hf::causal_lm: the KV cache was not made by this model for a batch of ", ids.size(0));
-    UNIRL_CHECK(start + n <= c.capacity, "hf::causal_lm: the KV cache holds ", c.capacity, " tokens; ", start + n,
-                " needed");
-    const auto m = mask.to(torch::kFloat);
-    c.mask.slice(1, start, start + n).copy_(m);
-    const auto positions =
-        (c.count.unsqueeze(1).to(torch::kFloat) + m.cumsum(1) - 1.0).clamp_min(0.0).to(torch::kInt64);
-    check_positions(positions);
-    c.count += m.sum(1).to(torch::kInt64);
-    const auto bias = detail::attention_bias(c.mask.slice(1, 0, start + n).to(torch::kBool), start, n);
-    auto out = run(ids, positions, bias, &c, start, head);
-    c.length = start + n;
+    const auto [positions, bias] = cache_step(ids.size(0), ids.size(1), mask, c);
+    auto out = run(ids, positions, bias, &c, c.length, head);
+    c.length += ids.size(1);
+    return out;
+  }
+  /// `forward_cached` from input embeddings x (B, n, hidden) instead of ids.
+  torch::Tensor forward_cached_from_embeddings(const torch::Tensor& x, const torch::Tensor& mask, kv_cache& c,
+                                               bool head = true) {
+    check_embeddings(x, mask);
+    const auto [positions, bias] = cache_step(x.size(0), x.size(1), mask, c);
+    auto out = run_from_embeddings(x, positions, bias, &c, c.length, head);
+    c.length += x.size(1);
     return out;
   }
 
@@ -698,6 +740,36 @@ class decoder_net_impl : public torch::nn::Cloneable<decoder_net_impl>, public l
     UNIRL_CHECK(mask.sizes() == ids.sizes(), "hf::causal_lm: mask sizes ", mask.sizes(), " differ from ids sizes ",
                 ids.sizes());
     check_ids(ids);
+  }
+  // The head on the final hidden states h, unless `head` is false.
+  torch::Tensor finish(const torch::Tensor& h, bool head) {
+    if (!head) return h;
+    if (out_dim_ > 0) return score(h);
+    return detail::dense(h, head_weight());
+  }
+  void check_embeddings(const torch::Tensor& x, const torch::Tensor& mask) const {
+    UNIRL_CHECK(x.dim() == 3 && x.size(2) == c_.hidden_size, "hf::causal_lm: input embeddings must be (B, L, ",
+                "hidden_size = ", c_.hidden_size, "), got sizes ", x.sizes());
+    UNIRL_CHECK(mask.sizes() == x.sizes().slice(0, 2), "hf::causal_lm: mask sizes ", mask.sizes(),
+                " differ from the embeddings' (B, L) = ", x.sizes().slice(0, 2));
+  }
+  // Checks the cache, writes the next n mask columns and counts: the positions and the attention
+  // bias of the next n tokens of a cached forward.
+  std::pair<torch::Tensor, torch::Tensor> cache_step(std::int64_t B, std::int64_t n, const torch::Tensor& mask,
+                                                     kv_cache& c) const {
+    const auto start = c.length;
+    UNIRL_CHECK(static_cast<std::int64_t>(c.k.size()) == c_.num_hidden_layers && c.mask.defined() &&
+                    c.mask.size(0) == B,
+                "hf::causal_lm: the KV cache was not made by this model for a batch of ", B);
+    UNIRL_CHECK(start + n <= c.capacity, "hf::causal_lm: the KV cache holds ", c.capacity, " tokens; ", start + n,
+                " needed");
+    const auto m = mask.to(torch::kFloat);
+    c.mask.slice(1, start, start + n).copy_(m);
+    const auto positions =
+        (c.count.unsqueeze(1).to(torch::kFloat) + m.cumsum(1) - 1.0).clamp_min(0.0).to(torch::kInt64);
+    check_positions(positions);
+    c.count += m.sum(1).to(torch::kInt64);
+    return {positions, detail::attention_bias(c.mask.slice(1, 0, start + n).to(torch::kBool), start, n)};
   }
   // GPT-2's learned position table ends at n_positions; RoPE has no table (max_length() still
   // reports max_position_embeddings, the length the model was trained for).
@@ -770,6 +842,32 @@ struct causal_lm : module_adapter<causal_lm, decoder_net> {
   }
   torch::Tensor hidden_states_cached(const torch::Tensor& ids, const torch::Tensor& mask, kv_cache& c) const {
     return net_.ptr()->forward_cached(ids, mask, c, false);
+  }
+
+  /// Input embeddings (B, L, hidden) of ids (B, L); the `*_from_embeddings` forwards take them
+  /// (or any other embeddings, e.g. with image features in some rows: models/vlm) in place of
+  /// ids, and `logits(ids, m) == logits_from_embeddings(embed(ids), m)` (likewise each variant).
+  torch::Tensor embed(const torch::Tensor& ids) const { return net_.ptr()->embed(ids); }
+  torch::Tensor logits_from_embeddings(const torch::Tensor& x, const torch::Tensor& mask) const {
+    return net_.ptr()->forward_from_embeddings(x, mask);
+  }
+  torch::Tensor logits_packed_from_embeddings(const torch::Tensor& x, const torch::Tensor& positions,
+                                              const torch::Tensor& segments) const {
+    return net_.ptr()->forward_packed_from_embeddings(x, positions, segments);
+  }
+  torch::Tensor logits_cached_from_embeddings(const torch::Tensor& x, const torch::Tensor& mask, kv_cache& c) const {
+    return net_.ptr()->forward_cached_from_embeddings(x, mask, c);
+  }
+  torch::Tensor hidden_states_from_embeddings(const torch::Tensor& x, const torch::Tensor& mask) const {
+    return net_.ptr()->forward_from_embeddings(x, mask, false);
+  }
+  torch::Tensor hidden_states_packed_from_embeddings(const torch::Tensor& x, const torch::Tensor& positions,
+                                                     const torch::Tensor& segments) const {
+    return net_.ptr()->forward_packed_from_embeddings(x, positions, segments, false);
+  }
+  torch::Tensor hidden_states_cached_from_embeddings(const torch::Tensor& x, const torch::Tensor& mask,
+                                                     kv_cache& c) const {
+    return net_.ptr()->forward_cached_from_embeddings(x, mask, c, false);
   }
   /// The LM head (V, hidden): `lm_head.weight`, or `model.embed_tokens.weight` / `transformer.wte.weight` when tied.
   torch::Tensor lm_head_weight() const { return net_->head_weight(); }

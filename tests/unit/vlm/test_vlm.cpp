@@ -1,0 +1,419 @@
+// The VLM adapter (include/unirl/models/vlm/): image-slot tokens against the independent LLaVA
+// fixture (tests/fixtures/vlm), the vision-feature cache (encoded once per step, equal to
+// recomputing), its place in the trainer (GRPO, PPO's critic, the reference, parameter groups),
+// and the language models' embeddings entry points it runs on.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <filesystem>
+#include <map>
+#include <string>
+#include <vector>
+
+#include <catch2/catch.hpp>
+#include <torch/torch.h>
+
+#include <unirl/io/safetensors.hpp>
+#include <unirl/train/sft.hpp>
+#include <unirl/vlm.hpp>
+
+using namespace unirl;
+namespace vision = unirl::models::vision;
+namespace vlm = unirl::models::vlm;
+using small_vlm = vlm::vlm<models::gpt>;
+
+namespace {
+
+std::filesystem::path fixture_dir() { return std::filesystem::path(UNIRL_SOURCE_DIR) / "tests" / "fixtures" / "vlm"; }
+
+double max_diff(const torch::Tensor& a, const torch::Tensor& b) {
+  REQUIRE(a.sizes() == b.sizes());
+  return (a.to(torch::kDouble) - b.to(torch::kDouble)).abs().max().item<double>();
+}
+
+// A small VLM: 16 x 16 images of 4 x 4 patches (16 feature rows), text vocabulary 16.
+small_vlm tiny_vlm(bool freeze = true, std::int64_t max_len = 64) {
+  return vlm::make_small({.vocab_size = 16, .max_len = max_len, .n_layer = 2, .n_head = 2, .d_model = 32,
+                          .image_size = 16, .patch_size = 4, .vision_hidden = 32, .vision_layers = 2,
+                          .vision_heads = 4, .vision_intermediate = 64, .model = {.freeze_vision_tower = freeze}});
+}
+
+std::vector<std::int64_t> cat(std::initializer_list<std::vector<std::int64_t>> parts) {
+  std::vector<std::int64_t> out;
+  for (const auto& p : parts) out.insert(out.end(), p.begin(), p.end());
+  return out;
+}
+
+// Left-padded (B, L) ids and mask of rows of different lengths.
+std::pair<torch::Tensor, torch::Tensor> left_padded(const std::vector<std::vector<std::int64_t>>& rows) {
+  std::size_t L = 0;
+  for (const auto& r : rows) L = std::max(L, r.size());
+  auto ids = torch::zeros({static_cast<std::int64_t>(rows.size()), static_cast<std::int64_t>(L)}, torch::kInt64);
+  auto mask = torch::zeros(ids.sizes(), torch::kFloat);
+  for (std::size_t b = 0; b < rows.size(); ++b)
+    for (std::size_t j = 0; j < rows[b].size(); ++j) {
+      const auto c = static_cast<std::int64_t>(L - rows[b].size() + j);
+      ids[static_cast<std::int64_t>(b)][c] = rows[b][j];
+      mask[static_cast<std::int64_t>(b)][c] = 1.0;
+    }
+  return {ids, mask};
+}
+
+// Fraction of completion tokens equal to 1.
+struct count_ones {
+  torch::Tensor operator()(const token_rollout& b) const {
+    const auto hit = (b.completion_ids == 1).to(torch::kFloat) * b.completion_mask;
+    return hit.sum(1) / b.completion_mask.sum(1).clamp_min(1.0);
+  }
+};
+
+// Scores that differ within every group, so that an update has a gradient.
+struct random_reward {
+  torch::Tensor operator()(const token_rollout& b) const { return torch::rand({b.size()}); }
+};
+
+// Three prompts, each with its own image (a fresh table).
+prompt_batch three_image_prompts(small_vlm& m, std::uint64_t seed) {
+  torch::manual_seed(seed);
+  m.images().clear();
+  prompt_batch in;
+  for (std::int64_t i = 0; i < 3; ++i) {
+    const auto img = m.images().add(torch::rand({3, 16, 16}));
+    in.tokens.push_back(cat({{1, 2 + i}, img, {3}}));
+  }
+  return in;
+}
+
+}  // namespace
+
+TEST_CASE("vlm: logits equal the independent LLaVA implementation's, image tokens mapped to slots",
+          "[cpu][vlm][fixture]") {
+  for (const std::string name : {"llava_clip", "llava_siglip"}) {
+    INFO(name);
+    const auto parts = vision::load_llava(fixture_dir() / name);
+    auto model = vlm::from_llava(parts);
+    const auto ref = io::load_safetensors(fixture_dir() / (name + ".reference.safetensors"));
+    const auto pixels = ref.at("pixel_values");
+    const auto ids = ref.at("input_ids").to(torch::kInt64);
+    const auto mask = ref.at("attention_mask");
+    const auto token = parts.config.image_token_index;
+    // Row b shows image b: its run of image tokens becomes image b's slot ids (place_images).
+    std::vector<std::vector<std::int64_t>> rows;
+    for (std::int64_t b = 0; b < ids.size(0); ++b) {
+      const auto slot = model.images().add(pixels[b]);
+      const auto row = ids[b].contiguous();
+      const std::vector<std::int64_t> text(row.data_ptr<std::int64_t>(), row.data_ptr<std::int64_t>() + row.numel());
+      rows.push_back(vlm::place_images(text, token, {slot}));
+    }
+    const auto slot_ids = left_padded(rows).first;
+    REQUIRE(slot_ids.sizes() == ids.sizes());
+    CHECK(((slot_ids >= model.vocab_size()) == (ids == token)).all().item<bool>());
+    const auto want = ref.at("logits");
+    const auto diff = max_diff(model.logits(slot_ids, mask), want);
+    WARN(name << ": max |logits - reference| = " << diff << " (fp32)");
+    CHECK(diff < 1e-5);
+    // The same through the hidden states and the head, packing, and the KV cache.
+    CHECK(max_diff(torch::matmul(model.hidden_states(slot_ids, mask), model.lm_head_weight().t()), want) < 1e-5);
+    const auto L = ids.size(1);
+    const auto positions = torch::arange(L, torch::kInt64).repeat({1, ids.size(0)});
+    const auto segments = torch::arange(ids.size(0), torch::kInt64).repeat_interleave(L).unsqueeze(0);
+    const auto packed = model.logits_packed(slot_ids.reshape({1, -1}), positions, segments);
+    CHECK(max_diff(packed.view_as(want), want) < 1e-5);
+    auto cache = model.make_cache(ids.size(0), L + 1);
+    CHECK(max_diff(model.logits_cached(slot_ids, mask, cache), want) < 1e-5);
+    CHECK(model.vision_tower_calls() == 2);  // each image encoded once for all four forwards
+    CHECK(model.images().counts().reused == 6);
+  }
+}
+
+TEST_CASE("vlm: the language models' embeddings entry points equal their ids forwards", "[cpu][vlm]") {
+  torch::manual_seed(3);
+  const auto [ids, mask] = left_padded({{1, 5, 7, 2}, {3, 4}});
+  const auto positions = torch::tensor({0, 1, 2, 3, 0, 1}, torch::kInt64).unsqueeze(0);
+  const auto segments = torch::tensor({0, 0, 0, 0, 1, 1}, torch::kInt64).unsqueeze(0);
+  const auto flat = torch::tensor({1, 5, 7, 2, 3, 4}, torch::kInt64).unsqueeze(0);
+  models::gpt g(models::gpt_options{.vocab_size = 8, .max_len = 16, .n_layer = 2, .n_head = 2, .d_model = 16});
+  CHECK(torch::equal(g.logits(ids, mask), g.logits_from_embeddings(g.embed(ids), mask)));
+  CHECK(torch::equal(g.logits_packed(flat, positions, segments),
+                     g.logits_packed_from_embeddings(g.embed(flat), positions, segments)));
+  auto c1 = g.make_cache(2, 8), c2 = g.make_cache(2, 8);
+  CHECK(torch::equal(g.logits_cached(ids, mask, c1), g.logits_cached_from_embeddings(g.embed(ids), mask, c2)));
+  models::hf::decoder_config c;
+  c.arch = models::hf::architecture::llama;
+  c.vocab_size = 8;
+  c.hidden_size = 16;
+  c.intermediate_size = 24;
+  c.num_hidden_layers = 2;
+  c.num_attention_heads = 4;
+  c.num_key_value_heads = 2;
+  c.max_position_embeddings = 32;
+  models::hf::causal_lm h(c);
+  CHECK(torch::equal(h.logits(ids, mask), h.logits_from_embeddings(h.embed(ids), mask)));
+  CHECK(torch::equal(h.hidden_states(ids, mask), h.hidden_states_from_embeddings(h.embed(ids), mask)));
+  CHECK(torch::equal(h.logits_packed(flat, positions, segments),
+                     h.logits_packed_from_embeddings(h.embed(flat), positions, segments)));
+  CHECK(torch::equal(h.hidden_states_packed(flat, positions, segments),
+                     h.hidden_states_packed_from_embeddings(h.embed(flat), positions, segments)));
+  auto k1 = h.make_cache(2, 8), k2 = h.make_cache(2, 8);
+  CHECK(torch::equal(h.logits_cached(ids, mask, k1), h.logits_cached_from_embeddings(h.embed(ids), mask, k2)));
+  CHECK(torch::equal(h.hidden_states_cached(ids, mask, k1), h.hidden_states_cached_from_embeddings(h.embed(ids), mask, k2)));
+  CHECK_THROWS_WITH(g.logits_from_embeddings(torch::zeros({2, 4, 7}), mask), Catch::Contains("d_model = 16"));
+  CHECK_THROWS_WITH(h.logits_from_embeddings(torch::zeros({2, 3, 16}), mask), Catch::Contains("differ"));
+}
+
+TEST_CASE("vlm: cached image features give the logits of recomputing them every forward (fp64)", "[cpu][vlm]") {
+  torch::manual_seed(7);
+  auto model = tiny_vlm(/*freeze=*/true);
+  model.net()->to(torch::kFloat64);
+  const auto V = model.vocab_size();
+  const auto img0 = torch::rand({3, 16, 16}), img1 = torch::rand({3, 12, 8});  // 16 and 6 feature rows
+  const auto s0 = model.images().add(img0), s1 = model.images().add(img1);
+  REQUIRE(s0 == std::vector<std::int64_t>(16, V));
+  REQUIRE(s1 == std::vector<std::int64_t>(6, V + 1));
+  // Two images in one row, one image in two rows, left padding.
+  const auto [ids, mask] = left_padded({cat({{1, 2}, s0, {3}, s1, {4}}), cat({{5}, s1, {6, 7}}), {1, 2, 3}});
+
+  // Independent of the cache: each image's features from the tower alone, projected, written
+  // into the token embeddings at the image positions by hand.
+  auto lm = model.language_model();
+  const auto proj = [&](const torch::Tensor& img) {
+    torch::NoGradGuard ng;
+    return model.projector()(model.vision_tower()->features(img.unsqueeze(0), -2)[0]);
+  };
+  const auto p0 = proj(img0), p1 = proj(img1);
+  auto x = lm.embed(ids.masked_fill(ids >= V, 0)).detach().clone();
+  for (std::int64_t b = 0; b < ids.size(0); ++b) {
+    std::int64_t k = 0;
+    for (std::int64_t j = 0; j < ids.size(1); ++j) {
+      const auto id = ids[b][j].item<std::int64_t>();
+      const bool prev_same = j > 0 && ids[b][j - 1].item<std::int64_t>() == id;
+      k = prev_same ? k + 1 : 0;
+      if (id == V) x[b][j] = p0[k];
+      if (id == V + 1) x[b][j] = p1[k];
+    }
+  }
+  torch::NoGradGuard ng;
+  const auto want = lm.logits_from_embeddings(x, mask);
+  const auto first = model.logits(ids, mask);
+  CHECK(model.vision_tower_calls() == 2);
+  const auto again = model.logits(ids, mask);
+  CHECK(model.vision_tower_calls() == 2);  // served from the cache
+  CHECK(model.images().counts().reused == 2);
+  CHECK(max_diff(first, want) < 1e-12);
+  CHECK(torch::equal(first, again));
+
+  // A copy shares the table and, its tower frozen, the cached features.
+  auto copy = model.clone();
+  CHECK(&copy.images() == &model.images());
+  CHECK(max_diff(copy.logits(ids, mask), want) < 1e-12);
+  CHECK(model.vision_tower_calls() == 2);
+
+  // A trainable tower in a forward with gradients recomputes both images (one packed call).
+  auto trained = model.clone();
+  for (auto& p : trained.vision_tower()->parameters()) p.set_requires_grad(true);
+  {
+    torch::AutoGradMode on(true);
+    const auto with_grad = trained.logits(ids, mask);
+    CHECK(model.images().counts().recomputed == 2);
+    CHECK(max_diff(with_grad, want) < 1e-12);
+    with_grad.sum().backward();
+    CHECK(trained.vision_tower()->vision_model->embeddings->patch_embedding->weight.grad().abs().sum().item<double>() > 0);
+  }
+  // The critic sees the same embeddings: its values through packing equal the padded ones.
+  auto critic = model.make_critic();
+  const auto values = critic.values(ids, mask);
+  CHECK(values.sizes() == ids.sizes());
+  CHECK(model.vision_tower_calls() == 4);  // the trained copy's 2; the critic reused the frozen tower's features
+}
+
+TEST_CASE("vlm: with cache_features off every forward encodes its images again, same logits (fp64)", "[cpu][vlm]") {
+  const auto make = [](bool cache) {
+    torch::manual_seed(7);
+    auto m = vlm::make_small({.vocab_size = 16,
+                              .max_len = 64,
+                              .n_layer = 2,
+                              .n_head = 2,
+                              .d_model = 32,
+                              .image_size = 16,
+                              .patch_size = 4,
+                              .vision_hidden = 32,
+                              .vision_layers = 2,
+                              .vision_heads = 4,
+                              .vision_intermediate = 64,
+                              .model = {.cache_features = cache}});
+    m.net()->to(torch::kFloat64);
+    return m;
+  };
+  auto cached = make(true), uncached = make(false);
+  torch::manual_seed(8);
+  const auto img0 = torch::rand({3, 16, 16}), img1 = torch::rand({3, 12, 8});
+  for (auto* m : {&cached, &uncached}) {
+    const auto s0 = m->images().add(img0), s1 = m->images().add(img1);
+    REQUIRE(s0.size() == 16);
+    REQUIRE(s1.size() == 6);
+  }
+  const auto V = cached.vocab_size();
+  // Image 1 in two rows: still one encoding of it per forward.
+  const auto [ids, mask] =
+      left_padded({cat({{1, 2}, std::vector<std::int64_t>(16, V), {3}, std::vector<std::int64_t>(6, V + 1), {4}}),
+                   cat({{5}, std::vector<std::int64_t>(6, V + 1), {6, 7}}),
+                   {1, 2, 3}});
+  torch::NoGradGuard ng;
+  const std::int64_t forwards = 3, images = 2;
+  for (std::int64_t f = 0; f < forwards; ++f) {
+    const auto want = cached.logits(ids, mask);
+    const auto got = uncached.logits(ids, mask);
+    CHECK(max_diff(got, want) < 1e-12);
+  }
+  CHECK(cached.vision_tower_calls() == images);               // encoded once, then reused
+  CHECK(uncached.vision_tower_calls() == forwards * images);  // every forward encodes every image it shows
+  CHECK(uncached.images().counts().reused == 0);
+}
+
+TEST_CASE("vlm: one GRPO step encodes each prompt's image once, whatever the layout; a trained tower recomputes",
+          "[cpu][vlm][trainer]") {
+  using grpo_trainer = trainer<small_vlm, algo::grpo<>, count_ones>;
+  for (const auto layout : {rollout::update_layout::shared_prompt, rollout::update_layout::packed,
+                            rollout::update_layout::padded}) {
+    INFO(enum_to_string(layout));
+    auto model = tiny_vlm(/*freeze=*/true);
+    grpo_trainer t{model, count_ones{},
+                   {.algorithm = {.kl_coef = 0.1, .layout = layout, .sampling = {.max_new_tokens = 4}},
+                    .optim = {.lr = 1e-3}, .group_size = 8, .progress = false}};
+    REQUIRE(t.models().reference.has_value());
+    const auto in = three_image_prompts(model, 11);
+    const auto s = t.step(in);
+    CHECK(s.samples == 24);
+    // 3 prompts x 8 samples, sampled, scored by the reference and updated: 3 images encoded.
+    CHECK(s.extra.at("vision_tower_calls") == 3.0);
+    CHECK(s.extra.at("images") == 3.0);
+    CHECK(model.vision_tower_calls() == 3);
+    CHECK(model.images().counts().reused >= 3);
+    // The next step with new images: 3 again (the statistics count one step).
+    const auto s2 = t.step(three_image_prompts(model, 12));
+    CHECK(s2.extra.at("vision_tower_calls") == 3.0);
+  }
+  // A trained tower: the policy encodes 3 without gradient to sample; the reference (its own
+  // frozen copy of the tower) encodes its 3; the update forward recomputes the 3 with gradient.
+  auto model = tiny_vlm(/*freeze=*/false);
+  grpo_trainer t{model, count_ones{},
+                 {.algorithm = {.kl_coef = 0.1, .sampling = {.max_new_tokens = 4}}, .optim = {.lr = 1e-3},
+                  .group_size = 8, .progress = false}};
+  const auto s = t.step(three_image_prompts(model, 13));
+  CHECK(s.extra.at("vision_tower_calls") == 9.0);
+  CHECK(model.images().counts().recomputed == 3);
+  CHECK(model.images().counts().encoded == 6);
+}
+
+TEST_CASE("vlm: roles — reference only with kl_coef > 0, PPO's critic, per-module groups, a frozen tower stays",
+          "[cpu][vlm][trainer]") {
+  using grpo_trainer = trainer<small_vlm, algo::grpo<>, count_ones>;
+  SECTION("no reference without a KL term; the frozen tower is unchanged by a step, the rest trained") {
+    auto model = tiny_vlm(/*freeze=*/true);
+    trainer<small_vlm, algo::grpo<>, random_reward> t{model, random_reward{},
+                   {.algorithm = {.kl_coef = 0.0, .sampling = {.max_new_tokens = 4}}, .optim = {.lr = 1e-2},
+                    .group_size = 4, .progress = false}};
+    CHECK(!t.models().reference.has_value());
+    std::map<std::string, torch::Tensor> before;
+    for (const auto& [n, p] : model.named_parameters()) before[n] = p.detach().clone();
+    // Rewards that differ within each group, so the update has a gradient.
+    t.step(three_image_prompts(model, 21));
+    std::int64_t tower = 0, changed = 0;
+    for (const auto& [n, p] : t.models().policy.named_parameters()) {
+      if (n.starts_with("vision_tower.")) {
+        ++tower;
+        CHECK(torch::equal(p, before.at(n)));
+        CHECK(!p.requires_grad());
+      } else if (!torch::equal(p, before.at(n))) {
+        ++changed;
+      }
+    }
+    CHECK(tower > 0);
+    CHECK(changed > 0);
+  }
+  SECTION("per-module learning rates and clipping reach the optimizer") {
+    auto model = tiny_vlm(/*freeze=*/false);
+    grpo_trainer t{model, count_ones{},
+                   {.algorithm = {.sampling = {.max_new_tokens = 4}},
+                    .optim = {.lr = 1e-3,
+                              .groups = {{.prefix = "vision_tower.", .lr_scale = 0.1},
+                                         {.prefix = "multi_modal_projector.", .max_grad_norm = 0.5}}},
+                    .group_size = 4, .progress = false}};
+    auto& opt = t.optimizer();
+    REQUIRE(opt.group_count() == 3);
+    std::map<std::string, std::size_t> g;
+    for (std::size_t i = 0; i < opt.group_count(); ++i) g[opt.group_name(i)] = i;
+    REQUIRE(g.size() == 3);
+    CHECK(opt.group_learning_rate(g.at("vision_tower.")) == Approx(1e-4));
+    CHECK(opt.group_learning_rate(g.at("")) == Approx(1e-3));
+    CHECK(opt.group_max_grad_norm(g.at("multi_modal_projector.")) == 0.5);
+    for (const auto& n : opt.group_param_names(g.at("")))
+      CHECK(n.starts_with("language_model."));
+    CHECK(opt.group_param_names(g.at("multi_modal_projector.")).size() == 4);  // linear_1/2 weight and bias
+    const auto s = t.step(three_image_prompts(model, 22));
+    CHECK(std::isfinite(s.loss));
+  }
+  SECTION("PPO trains the VLM with a critic on the same multimodal backbone") {
+    auto model = tiny_vlm(/*freeze=*/true);
+    trainer<small_vlm, algo::ppo<>, count_ones> t{
+        model, count_ones{}, {.algorithm = {.kl_coef = 0.05, .track = {.sampling = {.max_new_tokens = 4}}},
+                              .optim = {.lr = 1e-3},
+                              .group_size = 2, .progress = false}};
+    REQUIRE(t.models().critic.has_value());
+    REQUIRE(t.models().reference.has_value());
+    bool tower = false;
+    for (const auto& [n, p] : t.models().critic->named_parameters()) tower = tower || n.starts_with("vision_tower.");
+    CHECK(tower);
+    const auto s = t.step(three_image_prompts(model, 23));
+    CHECK(std::isfinite(s.value_loss));
+    CHECK(s.value_loss > 0);
+    // The critic's and the reference's towers are frozen copies: they reuse the policy's features.
+    CHECK(s.extra.at("vision_tower_calls") == 3.0);
+  }
+}
+
+TEST_CASE("vlm: the SFT loss takes prompts with images, padded equal to packed", "[cpu][vlm][sft]") {
+  torch::manual_seed(4);
+  auto model = tiny_vlm(false, 64);
+  const auto a = model.images().add(torch::rand({3, 16, 16})), b = model.images().add(torch::rand({3, 16, 16}));
+  // prompts hold image-slot ids (beyond the vocabulary): only the answers are targets
+  const std::vector<std::vector<std::int64_t>> prompts{cat({{1}, a, {2, 3}}), cat({{1, 4}, b, {2}})};
+  const std::vector<std::vector<std::int64_t>> answers{{5, 6, 7}, {8, 9}};
+  const auto batch = train::make_sft_batch(prompts, answers, 0);
+  const auto padded = train::sft_loss(model, batch, train::sft_layout::padded);
+  const auto packed = train::sft_loss(model, batch, train::sft_layout::packed);
+  CHECK(std::isfinite(padded.item<double>()));
+  CHECK(padded.item<double>() == Approx(packed.item<double>()).epsilon(1e-5));
+  padded.backward();
+  CHECK(model.images().vision_tower_calls() >= 2);
+}
+
+TEST_CASE("vlm: bad image-slot ids are errors naming the id", "[cpu][vlm]") {
+  auto model = tiny_vlm();
+  const auto V = model.vocab_size();
+  const auto s0 = model.images().add(torch::rand({3, 16, 16}));
+  const auto ones = [](const std::vector<std::int64_t>& r) {
+    return std::pair{torch::tensor(r, torch::kInt64).unsqueeze(0), torch::ones({1, static_cast<std::int64_t>(r.size())})};
+  };
+  {
+    const auto [ids, mask] = ones({1, -3, 2});
+    CHECK_THROWS_WITH(model.logits(ids, mask), Catch::Contains("token id -3 is negative"));
+  }
+  {
+    const auto [ids, mask] = ones({1, V + 4, 2});
+    CHECK_THROWS_WITH(model.logits(ids, mask), Catch::Contains("image-slot token id " + std::to_string(V + 4) +
+                                                               " (slot 4) is not registered"));
+  }
+  {
+    auto too_long = cat({{1}, s0, {V}, {2}});  // 17 ids in a run of an image of 16 rows
+    const auto [ids, mask] = ones(too_long);
+    CHECK_THROWS_WITH(model.logits(ids, mask), Catch::Contains("image-slot token id " + std::to_string(V)) &&
+                                                   Catch::Contains("16 feature rows"));
+  }
+  CHECK_THROWS_WITH(model.images().add(torch::rand({3, 15, 16})), Catch::Contains("15 x 16"));
+  CHECK_THROWS_WITH(model.images().add(torch::rand({1, 16, 16})), Catch::Contains("1 channels"));
+  CHECK_THROWS_WITH(vlm::place_images({1, 9, 9, 2}, 9, {s0}), Catch::Contains("has 2 ids"));
+  model.images().clear();
+  const auto [ids, mask] = ones(cat({{1}, s0}));
+  CHECK_THROWS_WITH(model.logits(ids, mask), Catch::Contains("table holds 0 image(s)"));
+}
