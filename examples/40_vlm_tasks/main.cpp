@@ -240,29 +240,6 @@ evaluation evaluate(const vlm::vlm<unirl::models::gpt>& model, const task& t, st
   return ev;
 }
 
-// The supervised objective: sft_loss's padded cross-entropy of the completion tokens, with the
-// prompt positions' targets (image-slot ids >= the text vocabulary among them) replaced by 0
-// before the log-softmax gather — they are masked out of the loss anyway. (The library's padded
-// sft_loss gathers every target and refuses image-slot ids; its packed layout accepts them but
-// runs all sequences of a batch as one row with a dense mask, far slower here.)
-struct vlm_sft_objective {
-  using options = unirl::train::sft_options;
-  using batch_type = unirl::train::sft_batch;
-  static constexpr std::string_view name = "sft";
-  options o{};
-  explicit vlm_sft_objective(options opts = {}) : o(opts) {}
-  unirl::supervised_loss loss(vlm::vlm<unirl::models::gpt>& model, const unirl::train::sft_batch& b) const {
-    const auto L = b.ids.size(1);
-    const auto dev = model.device();
-    const auto ids = b.ids.to(dev), mask = b.mask.to(dev), target_mask = b.target_mask.to(dev);
-    const auto logits = model.logits(ids.slice(1, 0, L - 1), mask.slice(1, 0, L - 1));
-    const auto targets = ids.slice(1, 1, L).masked_fill(target_mask <= 0, 0);
-    const auto logp = unirl::rollout::token_logprob(logits, targets, 1.0, false).first;
-    const auto loss = -(logp * target_mask.to(logp.dtype())).sum() / target_mask.sum().clamp_min(1.0);
-    return {loss, b.size(), b.tokens()};
-  }
-};
-
 // What canvases.png shows for one held-out answer: its box (grounding) or click (agent).
 void draw_answer(const task& t, const std::string& completion, std::vector<unirl::data::pixel_box>& boxes,
                  std::vector<unirl::data::pixel_point>& clicks) {
@@ -325,7 +302,7 @@ int main(int argc, char** argv) try {
             << " text tokens, " << (side / o.patch) * (side / o.patch) << " image tokens per prompt\n";
 
   // ---- stage 1: supervised, into the band ------------------------------------------------------
-  std::cout << "stage 1: supervised (train::supervised_trainer) until the held-out " << t.figure_name() << " reaches "
+  std::cout << "stage 1: supervised (train::sft_trainer) until the held-out " << t.figure_name() << " reaches "
             << std::setprecision(2) << band << "\n";
   double figure = 0.0;
   const bool cached = !o.pretrained.empty() && std::filesystem::exists(o.pretrained);
@@ -334,7 +311,7 @@ int main(int argc, char** argv) try {
     std::cout << "  loaded the supervised weights from " << o.pretrained << "\n";
     o.sft_max_steps = 0;
   }
-  unirl::train::supervised_trainer<vlm::vlm<unirl::models::gpt>, vlm_sft_objective> sft(
+  unirl::train::sft_trainer<vlm::vlm<unirl::models::gpt>> sft(
       model, {.optim = {.lr = o.sft_lr}, .batch_size = o.sft_batch, .steps = o.sft_max_steps,
               .eval_every = o.eval_every, .progress = false});
   const auto r = sft.run(
