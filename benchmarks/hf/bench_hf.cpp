@@ -140,6 +140,21 @@ struct low_half_reward {
 
 constexpr std::int64_t kUpdatePrompt = 64, kUpdateCompletion = 192, kGroup = 8;
 
+// The fixed rollout of S sequences (random prompts shared by groups of 8, random completions) and
+// the prompt batch whose step returns it.
+unirl::prompt_batch fill_fixed_rollout(unirl::token_rollout& b, std::int64_t S) {
+  torch::manual_seed(1);
+  b.prompt_ids = torch::randint(0, 151936, {S / kGroup, kUpdatePrompt}, torch::kInt64).repeat_interleave(kGroup, 0);
+  b.prompt_mask = torch::ones({S, kUpdatePrompt});
+  b.completion_ids = torch::randint(0, 151936, {S, kUpdateCompletion}, torch::kInt64);
+  b.completion_mask = torch::ones({S, kUpdateCompletion});
+  b.old_logp = torch::zeros({S, kUpdateCompletion});
+  b.prompt_index = torch::arange(S, torch::kInt64).floor_divide(kGroup);
+  unirl::prompt_batch in;
+  for (std::int64_t i = 0; i < S / kGroup; ++i) in.tokens.push_back({i});
+  return in;
+}
+
 template <class Model>
 void grpo_update(benchmark::State& state, Model model) {
   const auto S = state.range(0);
@@ -150,16 +165,7 @@ void grpo_update(benchmark::State& state, Model model) {
        .clip = {.max_grad_norm = 1.0},
        .group_size = kGroup,
        .progress = false}};
-  torch::manual_seed(1);
-  auto& b = t.algorithm().batch;
-  b.prompt_ids = torch::randint(0, 151936, {S / kGroup, kUpdatePrompt}, torch::kInt64).repeat_interleave(kGroup, 0);
-  b.prompt_mask = torch::ones({S, kUpdatePrompt});
-  b.completion_ids = torch::randint(0, 151936, {S, kUpdateCompletion}, torch::kInt64);
-  b.completion_mask = torch::ones({S, kUpdateCompletion});
-  b.old_logp = torch::zeros({S, kUpdateCompletion});
-  b.prompt_index = torch::arange(S, torch::kInt64).floor_divide(kGroup);
-  unirl::prompt_batch in;
-  for (std::int64_t i = 0; i < S / kGroup; ++i) in.tokens.push_back({i});
+  const auto in = fill_fixed_rollout(t.algorithm().batch, S);
   for (auto _ : state) {
     const auto s = t.step(in);
     state.SetIterationTime(s.time_update);
@@ -197,17 +203,8 @@ void BM_hf_grpo_memory(benchmark::State& state) {
        .precision = (cfg == mem_bf16 || cfg == mem_all) ? unirl::precision::bf16 : unirl::precision::fp32,
        .group_size = kGroup,
        .progress = false}};
-  torch::manual_seed(1);
-  auto& b = t.algorithm().batch;
-  b.prompt_ids = torch::randint(0, 151936, {S / kGroup, kUpdatePrompt}, torch::kInt64).repeat_interleave(kGroup, 0);
-  b.prompt_mask = torch::ones({S, kUpdatePrompt});
-  b.completion_ids = torch::randint(0, 151936, {S, kUpdateCompletion}, torch::kInt64);
-  b.completion_mask = torch::ones({S, kUpdateCompletion});
-  b.old_logp = torch::zeros({S, kUpdateCompletion});
-  b.ref_logp = torch::zeros({S, kUpdateCompletion});
-  b.prompt_index = torch::arange(S, torch::kInt64).floor_divide(kGroup);
-  unirl::prompt_batch in;
-  for (std::int64_t i = 0; i < S / kGroup; ++i) in.tokens.push_back({i});
+  const auto in = fill_fixed_rollout(t.algorithm().batch, S);
+  t.algorithm().batch.ref_logp = torch::zeros({S, kUpdateCompletion});
   double trainable = 0;
   for (const auto& p : t.models().policy.parameters())
     if (p.requires_grad()) trainable += static_cast<double>(p.numel() * p.element_size());

@@ -9,7 +9,7 @@
 /// #include <unirl/vlm.hpp>
 /// namespace vlm = unirl::models::vlm;
 /// auto model = vlm::make_small();                              // CLIP tower + projector + models::gpt
-/// auto img = model.images().add(torch::rand({3, 28, 28}));     // placeholder ids of one image
+/// auto img = model.images().add(torch::rand({3, 28, 28}));     // image-slot ids of one image
 /// std::vector<std::int64_t> prompt = {1};
 /// prompt.insert(prompt.end(), img.begin(), img.end());
 /// unirl::trainer<vlm::vlm<unirl::models::gpt>, unirl::algo::grpo<>, my_reward> t{model, reward,

@@ -18,6 +18,7 @@
 #include <fstream>
 #include <optional>
 #include <sstream>
+#include <utility>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -300,21 +301,29 @@ inline void decoder_config::validate(const std::string& source) const {
                 ": expected ids in [0, vocab_size = ", vocab_size, ")");
 }
 
-inline decoder_config decoder_config::load(const std::filesystem::path& file_or_dir) {
+namespace detail {
+// The config.json of a model directory (or the file itself), parsed; `what` names the directory
+// kind in the error when it cannot be opened. Returns the JSON and the file's path.
+inline std::pair<nlohmann::json, std::string> read_config_json(const std::filesystem::path& file_or_dir,
+                                                               const char* what) {
   namespace fs = std::filesystem;
   const auto file = fs::is_directory(file_or_dir) ? file_or_dir / "config.json" : file_or_dir;
   std::ifstream in(file);
-  UNIRL_CHECK(in.good(), "hf config ", file.string(), ": cannot be opened (a Hugging Face model directory holds ",
+  UNIRL_CHECK(in.good(), "hf config ", file.string(), ": cannot be opened (a ", what, " directory holds ",
               "config.json next to its *.safetensors)");
   std::stringstream text;
   text << in.rdbuf();
-  nlohmann::json j;
   try {
-    j = nlohmann::json::parse(text.str());
+    return {nlohmann::json::parse(text.str()), file.string()};
   } catch (const nlohmann::json::parse_error& e) {
     throw error("unirl: hf config " + file.string() + ": not valid JSON: " + e.what());
   }
-  return from_json(j, file.string());
+}
+}  // namespace detail
+
+inline decoder_config decoder_config::load(const std::filesystem::path& file_or_dir) {
+  const auto [j, file] = detail::read_config_json(file_or_dir, "Hugging Face model");
+  return from_json(j, file);
 }
 
 inline nlohmann::json decoder_config::to_json() const {

@@ -110,7 +110,7 @@ struct vision_config {
 struct llava_config {
   vision_config vision;
   hf::decoder_config text;
-  std::int64_t image_token_index = 32000;  // the placeholder id of one image feature row (in the text vocabulary)
+  std::int64_t image_token_index = 32000;  // the image token id standing for one image feature row (in the text vocabulary)
   std::int64_t vision_feature_layer = -2;  // index into the vision tower's num_hidden_layers + 1 hidden states
   select_strategy vision_feature_select_strategy = select_strategy::drop_first;
   std::string projector_hidden_act = "gelu";
@@ -299,20 +299,8 @@ inline void llava_config::validate(const std::string& source) const {
 }
 
 inline llava_config llava_config::load(const std::filesystem::path& file_or_dir) {
-  namespace fs = std::filesystem;
-  const auto file = fs::is_directory(file_or_dir) ? file_or_dir / "config.json" : file_or_dir;
-  std::ifstream in(file);
-  UNIRL_CHECK(in.good(), "hf config ", file.string(), ": cannot be opened (a LLaVA model directory holds ",
-              "config.json next to its *.safetensors)");
-  std::stringstream text;
-  text << in.rdbuf();
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(text.str());
-  } catch (const nlohmann::json::parse_error& e) {
-    throw error("unirl: hf config " + file.string() + ": not valid JSON: " + e.what());
-  }
-  return from_json(j, file.string());
+  const auto [j, file] = hf::detail::read_config_json(file_or_dir, "LLaVA model");
+  return from_json(j, file);
 }
 
 inline nlohmann::json llava_config::to_json() const {

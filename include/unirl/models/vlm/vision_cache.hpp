@@ -2,7 +2,7 @@
 /// \file vision_cache.hpp
 /// `vlm::vision_cache`: the per-step image table of a vision-language model (`vlm::vlm`). An
 /// image registered with `add` takes the next slot s and is written into a prompt as its
-/// placeholder ids — n_s copies of `vocab_size + s`, n_s its number of feature rows — so every
+/// image-slot ids — n_s copies of `vocab_size + s`, n_s its number of feature rows — so every
 /// row of every batch carries which image it shows. The vision tower encodes a slot once, on
 /// first use and without gradient; the features are kept here and reused by every later forward
 /// (the G samples of a group, pi_old, the reference, the update), and by every copy of the model
@@ -48,7 +48,7 @@ class vision_cache {
 
   /// Registers an image (C, H, W) or (1, C, H, W) — floating point, C = num_channels, H and W
   /// multiples of patch_size of at most image_size — in the next slot s and returns its
-  /// placeholder ids: n_s copies of `vocab_size() + s`. Nothing is encoded yet.
+  /// image-slot ids: n_s copies of `vocab_size() + s`. Nothing is encoded yet.
   std::vector<std::int64_t> add(torch::Tensor image) {
     UNIRL_CHECK(image.defined(), "vlm::vision_cache::add: the image is an undefined tensor; expected (C, H, W)");
     if (image.dim() == 4 && image.size(0) == 1) image = image.squeeze(0);
@@ -78,9 +78,9 @@ class vision_cache {
   bool empty() const { return slots_.empty(); }
   /// The language model's vocabulary: ids >= it are image-slot tokens.
   std::int64_t vocab_size() const { return vocab_; }
-  /// The placeholder id of slot s: vocab_size() + s.
+  /// The image-slot id of slot s: vocab_size() + s.
   std::int64_t token_id(std::int64_t slot) const { return vocab_ + check_slot(slot); }
-  /// Feature rows n_s of slot s (the length of its run of placeholder ids).
+  /// Feature rows n_s of slot s (the length of its run of image-slot ids).
   std::int64_t tokens(std::int64_t slot) const { return slots_[static_cast<std::size_t>(check_slot(slot))].tokens; }
   /// The image of slot s as registered.
   const torch::Tensor& image(std::int64_t slot) const {

@@ -525,8 +525,8 @@ struct vlm : module_adapter<vlm<LM>, vlm_net<detail::lm_net_t<LM>>> {
   detail::vision_state st_;
 };
 
-/// A prompt's token ids with its image placeholders replaced by image-slot ids: run i of
-/// `image_token` (a processor's placeholder, e.g. LLaVA's `image_token_index`, either one id or
+/// A prompt's token ids with its image tokens replaced by image-slot ids: run i of
+/// `image_token` (a processor's image token, e.g. LLaVA's `image_token_index`, either one id or
 /// already repeated once per feature row) becomes `images[i]` (the ids `vision_cache::add`
 /// returned). Throws naming the run when the counts or lengths do not match.
 /// ```cpp
