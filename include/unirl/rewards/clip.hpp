@@ -242,6 +242,38 @@ struct encoder_train_result {
   double seconds = 0.0;
 };
 
+namespace detail {
+// The training loop of the small reward encoders: `o.steps` Adam steps (lr, weight decay) on
+// minibatches of `o.batch` indices drawn uniformly from [0, n) with the seeded generator;
+// `loss(indices)` is one minibatch's loss. Reports the first loss and the mean of the last ten.
+template <class Module, class Loss>
+encoder_train_result train_minibatches(Module& model, const encoder_train_options& o, std::int64_t n, Loss&& loss) {
+  const auto t0 = std::chrono::steady_clock::now();
+  model.train();
+  torch::optim::Adam opt(model.parameters(), torch::optim::AdamOptions(o.lr).weight_decay(o.weight_decay));
+  std::mt19937_64 rng(o.seed);
+  std::uniform_int_distribution<std::int64_t> pick(0, n - 1);
+  encoder_train_result res;
+  double tail = 0.0;
+  std::int64_t tail_n = 0;
+  for (std::int64_t step = 0; step < o.steps; ++step) {
+    std::vector<std::int64_t> idx(static_cast<std::size_t>(o.batch));
+    for (auto& i : idx) i = pick(rng);
+    auto l = loss(idx);
+    opt.zero_grad();
+    l.backward();
+    opt.step();
+    const double v = l.template item<double>();
+    if (step == 0) res.first_loss = v;
+    if (step >= o.steps - 10) tail += v, ++tail_n;
+  }
+  model.eval();
+  res.last_loss = tail / static_cast<double>(std::max<std::int64_t>(tail_n, 1));
+  res.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return res;
+}
+}  // namespace detail
+
 /// Trains `model` with `info_nce_loss` on image–caption pairs: `images` (N, C, H, W), `captions`
 /// (N texts). With `labels` ((N,) int64) every pair of a batch with the same label is a positive
 /// (captions like "7" and "seven" of one class are not pushed apart); without, identical caption
@@ -260,18 +292,8 @@ inline encoder_train_result train_clip(tiny_clip& model, const torch::Tensor& im
     UNIRL_CHECK(labels.dim() == 1 && labels.size(0) == N, "train_clip: labels of shape ", labels.sizes(), "; expected (", N, ",)");
     lab = labels.to(torch::kCPU, torch::kInt64);
   }
-  const auto t0 = std::chrono::steady_clock::now();
-  model->train();
-  torch::optim::Adam opt(model->parameters(), torch::optim::AdamOptions(o.lr).weight_decay(o.weight_decay));
-  std::mt19937_64 rng(o.seed);
-  std::uniform_int_distribution<std::int64_t> pick(0, N - 1);
-  encoder_train_result res;
-  double tail = 0.0;
-  std::int64_t tail_n = 0;
   const auto dev = model->logit_scale().device();
-  for (std::int64_t step = 0; step < o.steps; ++step) {
-    std::vector<std::int64_t> idx(static_cast<std::size_t>(o.batch));
-    for (auto& i : idx) i = pick(rng);
+  return detail::train_minibatches(*model, o, N, [&](const std::vector<std::int64_t>& idx) {
     std::vector<std::string> caps;
     for (auto i : idx) caps.push_back(captions[static_cast<std::size_t>(i)]);
     auto index = torch::tensor(idx, torch::kInt64);
@@ -284,19 +306,9 @@ inline encoder_train_result train_clip(tiny_clip& model, const torch::Tensor& im
       for (std::int64_t a = 0; a < o.batch; ++a)
         for (std::int64_t b = 0; b < o.batch; ++b) pos[a][b] = caps[static_cast<std::size_t>(a)] == caps[static_cast<std::size_t>(b)];
     }
-    auto loss = info_nce_loss(model->encode_image(images.index_select(0, index.to(images.device())).to(dev)),
-                              model->encode_text(caps), model->logit_scale(), pos.to(dev));
-    opt.zero_grad();
-    loss.backward();
-    opt.step();
-    const double v = loss.item<double>();
-    if (step == 0) res.first_loss = v;
-    if (step >= o.steps - 10) tail += v, ++tail_n;
-  }
-  model->eval();
-  res.last_loss = tail / static_cast<double>(std::max<std::int64_t>(tail_n, 1));
-  res.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  return res;
+    return info_nce_loss(model->encode_image(images.index_select(0, index.to(images.device())).to(dev)),
+                         model->encode_text(caps), model->logit_scale(), pos.to(dev));
+  });
 }
 
 /// Zero-shot classification: for each image (N, C, H, W), the index of the caption (of `captions`,

@@ -106,31 +106,11 @@ inline encoder_train_result train_digit_classifier(digit_classifier& model, cons
   auto lab = labels.to(torch::kInt64);
   UNIRL_CHECK(lab.min().item<std::int64_t>() >= 0 && lab.max().item<std::int64_t>() < K, "train_digit_classifier: labels in [",
               lab.min().item<std::int64_t>(), ", ", lab.max().item<std::int64_t>(), "]; expected in [0, ", K, ")");
-  const auto t0 = std::chrono::steady_clock::now();
-  model->train();
-  torch::optim::Adam opt(model->parameters(), torch::optim::AdamOptions(o.lr).weight_decay(o.weight_decay));
-  std::mt19937_64 rng(o.seed);
-  std::uniform_int_distribution<std::int64_t> pick(0, images.size(0) - 1);
-  encoder_train_result res;
-  double tail = 0.0;
-  std::int64_t tail_n = 0;
-  for (std::int64_t step = 0; step < o.steps; ++step) {
-    std::vector<std::int64_t> idx(static_cast<std::size_t>(o.batch));
-    for (auto& i : idx) i = pick(rng);
+  return detail::train_minibatches(*model, o, images.size(0), [&](const std::vector<std::int64_t>& idx) {
     auto index = torch::tensor(idx, torch::kInt64);
     auto logits = model->forward(images.index_select(0, index.to(images.device())));
-    auto loss = torch::nn::functional::cross_entropy(logits, lab.index_select(0, index.to(lab.device())).to(logits.device()));
-    opt.zero_grad();
-    loss.backward();
-    opt.step();
-    const double v = loss.item<double>();
-    if (step == 0) res.first_loss = v;
-    if (step >= o.steps - 10) tail += v, ++tail_n;
-  }
-  model->eval();
-  res.last_loss = tail / static_cast<double>(std::max<std::int64_t>(tail_n, 1));
-  res.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  return res;
+    return torch::nn::functional::cross_entropy(logits, lab.index_select(0, index.to(lab.device())).to(logits.device()));
+  });
 }
 
 /// Options of the answer parsing of `consistency_reward`.
