@@ -13,6 +13,7 @@
 //    sample grids and the reward curve.
 //
 //   digits_flow --algorithm grpo|dppo|ram|nft [--out DIR] [key=value ...]   e.g. steps=60 lr=1e-4
+//   (--algorithm dppo dppo_trust_region=clamped_kl: seed 000's clamped-KL trust region)
 #include <cstdint>
 #include <filesystem>
 #include <iostream>
@@ -47,6 +48,7 @@ struct example_options {
   double lr = 3e-5;
   double kl_beta = 0.1;               // Flow-GRPO / Flow-DPPO: KL-to-reference coefficient
   double multiplier = 0.5;            // RAM: reward multiplier m
+  unirl::algo::dppo_trust_region dppo_trust_region{};  // Flow-DPPO: kl_mask (UniRL) or clamped_kl (seed 000)
   std::int64_t pretrain_iters = 800;  // flow-matching iterations (cached)
   std::int64_t hidden = 128;
   std::int64_t seed = 1;
@@ -141,7 +143,7 @@ int run(const std::string& name, const typename Algo::options& algo, const examp
 }  // namespace
 
 BOOST_HANA_ADAPT_STRUCT(example_options, steps, conditions, group_size, minibatches, sampler_steps, lr, kl_beta, multiplier,
-                        pretrain_iters, hidden, seed);
+                        dppo_trust_region, pretrain_iters, hidden, seed);
 
 int main(int argc, char** argv) try {
   example_options opt;

@@ -75,11 +75,12 @@ struct vlm_tasks_options {
   std::int64_t rl_steps = 2500;
   std::int64_t prompts_per_step = 16;
   std::int64_t group_size = 8;
-  double rl_lr = -1;                   // -1: the task's default (vqa 1e-3; grounding, agent 3e-4)
+  double rl_lr = -1;                   // -1: the task's default (vqa 1e-3, grounding 3e-4, agent 1e-4)
   double temperature = 1.0;
   double kl_coef = 0.0;                // > 0: a reference model (it shares the vision cache)
   double format_weight = -1;           // -1: the task's default (vqa 0.1, grounding 0.3)
-  double rl_seconds = 200;             // stop GRPO after this many seconds
+  double rl_seconds = -1;              // stop GRPO after this many seconds (-1: the task's default: vqa and
+                                       // grounding 200 s, agent 600 s)
   std::int64_t rl_eval_every = 250;
   std::int64_t grid = 8;               // held-out canvases drawn in canvases.png (before and after)
   std::int64_t seed = 0;
@@ -280,7 +281,8 @@ int main(int argc, char** argv) try {
               o.heldout_digits, ": expected in [10, ", digits.images.size(0) - 100, "]");
   task t(kind, digits, o);
   const double band = o.band >= 0 ? o.band : kind == task_kind::vqa ? 0.35 : kind == task_kind::grounding ? 0.30 : 0.15;
-  const double rl_lr = o.rl_lr > 0 ? o.rl_lr : kind == task_kind::vqa ? 1e-3 : 3e-4;
+  const double rl_lr = o.rl_lr > 0 ? o.rl_lr : kind == task_kind::vqa ? 1e-3 : kind == task_kind::agent ? 1e-4 : 3e-4;
+  const double rl_budget = o.rl_seconds >= 0 ? o.rl_seconds : kind == task_kind::agent ? 600.0 : 200.0;
   const double format_weight = o.format_weight >= 0 ? o.format_weight : kind == task_kind::vqa ? 0.1 : 0.3;
 
   // The built-in small VLM: grey images (1 channel) of the task's size, 4x4 patches.
@@ -367,8 +369,8 @@ int main(int argc, char** argv) try {
   auto run_grpo = [&](auto& trainer) {
     auto& policy = trainer.models().policy;
     std::cout << "stage 2: GRPO, " << o.prompts_per_step << " prompts x " << o.group_size << " samples per step, up to "
-              << o.rl_steps << " steps / " << std::setprecision(0) << o.rl_seconds << " s\n";
-    for (; rl_steps < o.rl_steps && since(t_rl) < o.rl_seconds; ++rl_steps) {
+              << o.rl_steps << " steps / " << std::setprecision(0) << rl_budget << " s\n";
+    for (; rl_steps < o.rl_steps && since(t_rl) < rl_budget; ++rl_steps) {
       policy.images().clear();
       (void)policy.images().take_vision_tower_calls();  // forget the evaluation's encodings
       std::vector<example> es;

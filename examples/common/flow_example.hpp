@@ -277,9 +277,14 @@ int run_chosen_algorithm(Opt& opt, int argc, char** argv, const std::string& def
   if (algorithm == "grpo")
     return run(std::type_identity<algo::flow_grpo<>>{}, "flow_grpo",
                algo::flow_grpo_options{.clip_range = 1e-3, .beta = opt.kl_beta, .sampler = sde}, root);
-  if (algorithm == "dppo")
-    return run(std::type_identity<algo::flow_dppo<>>{}, "flow_dppo",
-               algo::flow_dppo_options{.delta = 1e-5, .beta = opt.kl_beta, .sampler = sde}, root);
+  if (algorithm == "dppo") {
+    algo::flow_dppo_options dppo{.delta = 1e-5, .beta = opt.kl_beta, .sampler = sde};
+    // An example whose options have `dppo_trust_region` can pick seed 000's clamped-KL variant
+    // (dppo_trust_region=clamped_kl); its outputs go to <out>/flow_dppo_clamped_kl.
+    if constexpr (requires { opt.dppo_trust_region; }) dppo.trust_region = opt.dppo_trust_region;
+    const bool clamped = dppo.trust_region == algo::dppo_trust_region::clamped_kl;
+    return run(std::type_identity<algo::flow_dppo<>>{}, clamped ? "flow_dppo_clamped_kl" : "flow_dppo", dppo, root);
+  }
   if (algorithm == "ram")
     return run(std::type_identity<algo::ram<>>{}, "ram",
                algo::ram_options{.multiplier = opt.multiplier, .draws = 4, .ema_decay = 0.9, .sampler = sde}, root);

@@ -20,9 +20,14 @@
 /// rank starts from rank 0's parameters and buffers, rank 0's buffers are broadcast after every
 /// weight sync, and the step statistics are averaged over ranks.
 ///
+/// `step(input)` samples and scores a batch, then runs `learn(batch, rewards)`; the learner /
+/// sampler split (parallel/rollout_worker.hpp, docs/parallel.md) calls `learn` with batches drawn
+/// by other processes, with their staleness.
+///
 /// This header is the loop alone; `<unirl/token.hpp>`, `<unirl/flow.hpp>`, `<unirl/env.hpp>` and
 /// `<unirl/rewards.hpp>` bring each track's algorithms, models and rewards with it.
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -46,6 +51,7 @@
 #include <unirl/concepts/rollout.hpp>
 #include <unirl/concepts/track.hpp>
 #include <unirl/config.hpp>
+#include <unirl/core/batch.hpp>
 #include <unirl/core/context.hpp>
 #include <unirl/core/error.hpp>
 #include <unirl/core/host.hpp>
@@ -271,20 +277,17 @@ class trainer {
     optimizer_ = std::make_unique<train::optimizer>(named, opts_.optim);
   }
 
-  /// One iteration of the loop on `input` (prompts, conditions, an environment).
+  /// One iteration of the loop on `input` (prompts, conditions, an environment): sample and
+  /// score a batch, then learn from it — exactly what `learn(batch, rewards)` does with a batch
+  /// drawn and scored elsewhere (a `parallel::rollout_worker`), minus its staleness handling.
   template <class Input>
     requires SamplesFrom<Algorithm, Model, std::remove_reference_t<Input>>
   step_stats step(Input&& input) {
-    using clock = std::chrono::steady_clock;
-    auto seconds = [](clock::time_point a, clock::time_point b) { return std::chrono::duration<double>(b - a).count(); };
     step_stats s;
     s.step = step_;
     deferred_checks checks;                        // checks of device values wait for this step's reads
     std::map<std::string, torch::Tensor> pending;  // tensor figures the algorithm reports, read at the end
-    const step_info info{step_,   opts_.group_size,
-                         device_, &s.extra,
-                         opts_.epochs * opts_.minibatches, &pending,
-                         opts_.memory.logprob_chunk};
+    const step_info info = info_for(s, pending, opts_.epochs * opts_.minibatches);
     optimizer_->set_lr_multiplier(train::lr_multiplier(schedule(), step_));
     s.learning_rate = optimizer_->learning_rate();
 
@@ -306,10 +309,55 @@ class trainer {
       rewards = reward_(*batch);
     }
     check_rewards(rewards, batch->size());
+    last_rewards_ = rewards;
     if constexpr (ReportsComponents<Reward>)
       for (const auto& [k, v] : reward_.last_components()) s.extra["reward/" + k] = v;
     const auto t2 = clock::now();
     if (opts_.memory.track) memory_.lap(s.extra, "reward");
+    return learn_stages(*batch, rewards, s, info, checks, pending, {t0, t1, t2});
+  }
+
+  /// The learner's side of a step: rewards → advantage → update → weight sync, on a batch that a
+  /// sampler drew (`parallel::rollout_worker`) and scored with `rewards` ((B,) floating). `staleness`
+  /// is how many versions the weights that drew it are behind this trainer's (0: on-policy); it is
+  /// reported as `extra["staleness"]`, and a stale batch is trained against the behaviour
+  /// log-probs it carries (the algorithm is told the update is off-policy: `step_info::updates`
+  /// = 0, so GRPO does not take pi_old from the update's own forward; the ratio clip then
+  /// truncates the importance weight). The batch is moved to the trainer's device (reflected
+  /// batches, core/batch.hpp). `step(input)` is `rollout`, the reward, then this with staleness 0.
+  step_stats learn(rollout_type batch, const torch::Tensor& rewards, std::int64_t staleness = 0) {
+    UNIRL_CHECK(staleness >= 0, "trainer::learn: staleness = ", staleness, ": expected >= 0 (versions behind)");
+    step_stats s;
+    s.step = step_;
+    deferred_checks checks;
+    std::map<std::string, torch::Tensor> pending;
+    const step_info info = info_for(s, pending, staleness > 0 ? 0 : opts_.epochs * opts_.minibatches);
+    optimizer_->set_lr_multiplier(train::lr_multiplier(schedule(), step_));
+    s.learning_rate = optimizer_->learning_rate();
+    if constexpr (boost::hana::Struct<rollout_type>::value) batch = ::unirl::batch::to(batch, device_);
+    check_rewards(rewards, batch.size());
+    last_rewards_ = rewards;
+    s.extra["staleness"] = static_cast<double>(staleness);
+    const auto t0 = clock::now();
+    if (opts_.memory.track) memory_.start();
+    return learn_stages(batch, rewards, s, info, checks, pending, {t0, t0, t0});
+  }
+
+ private:
+  using clock = std::chrono::steady_clock;
+
+  step_info info_for(step_stats& s, std::map<std::string, torch::Tensor>& pending, std::int64_t updates) const {
+    return step_info{step_, opts_.group_size, device_, &s.extra, updates, &pending, opts_.memory.logprob_chunk};
+  }
+
+  // Rewards → advantage → update → sync → statistics of one step, after the batch was drawn
+  // (t[0] to t[1]) and scored (t[1] to t[2]).
+  step_stats learn_stages(rollout_type& batch_ref, const torch::Tensor& rewards, step_stats& s, const step_info& info,
+                          deferred_checks& checks, std::map<std::string, torch::Tensor>& pending,
+                          std::array<clock::time_point, 3> t) {
+    auto seconds = [](clock::time_point a, clock::time_point b) { return std::chrono::duration<double>(b - a).count(); };
+    const auto t0 = t[0], t1 = t[1], t2 = t[2];
+    rollout_type* batch = &batch_ref;
     s.samples = batch->size();
     // One read: whether the rewards are finite, their statistics, and the checks deferred while sampling.
     const torch::Tensor r64 = rewards.detach().to(device_, torch::kFloat64);
@@ -366,6 +414,31 @@ class trainer {
     return s;
   }
 
+ public:
+
+  /// Sampling alone: the rollout batch `step(input)` would draw first (the policy in evaluation
+  /// mode, no gradient, the run's precision), with no reward, update or step count — for
+  /// evaluation, and for a model upstream of a trained one that is frozen in this stage
+  /// (`joint::chain`). Draws from the same random stream as `step`.
+  template <class Input>
+    requires SamplesFrom<Algorithm, Model, std::remove_reference_t<Input>>
+  rollout_type rollout(Input&& input) {
+    if constexpr (requires { input.tokens.at(0).size(); }) check_prompt_lengths(input);
+    std::map<std::string, double> extra;
+    std::map<std::string, torch::Tensor> pending;
+    const step_info info{step_, opts_.group_size, device_, &extra, opts_.epochs * opts_.minibatches, &pending,
+                         opts_.memory.logprob_chunk};
+    torch::NoGradGuard no_grad;
+    autocast_scope amp(device_, opts_.precision);
+    models_.policy.train(false);
+    return algorithm_.sample(models_, input, info);
+  }
+
+  /// The rewards of the last `step`'s batch, one per sample in the batch's order, on the reward's
+  /// device (undefined before the first step): what a model upstream is rewarded with when this
+  /// trainer's step is its reward (`joint::chain`).
+  const torch::Tensor& last_rewards() const { return last_rewards_; }
+
   /// Writes a checkpoint atomically (temporary file, then rename): models, optimizer, guard,
   /// RNG states, step, options, the algorithm's own state, and each of `extras` (every one a
   /// `Checkpointable`, e.g. the `envs::vector_env` the run steps) under `extra.<i>` in the same
@@ -380,32 +453,38 @@ class trainer {
                   "void save(torch::serialize::OutputArchive&) const and void load(torch::serialize::InputArchive&) "
                   "(e.g. unirl::envs::vector_env of a checkpointable environment)");
     train::write_checkpoint(path, [&](torch::serialize::OutputArchive& a) {
-      a.write("unirl.format", torch::tensor(std::int64_t{1}));
-      a.write("unirl.step", torch::tensor(step_));
-      train::save_tensors(a, "policy.", state_of(models_.policy));
-      if (models_.reference && !reference_shared_) train::save_tensors(a, "reference.", state_of(*models_.reference));
-      if (models_.ema) train::save_tensors(a, "ema.", state_of(*models_.ema));
-      if constexpr (algorithm_type::requires_critic && CriticFactory<Model>)
-        train::save_tensors(a, "critic.", state_of(*models_.critic));
-      torch::serialize::OutputArchive opt, guard;
-      optimizer_->save(opt);
-      a.write("optimizer", opt);
-      guard_.save(guard);
-      a.write("guard", guard);
-      if (scaling_) {
-        torch::serialize::OutputArchive scale;
-        scaler_.save(scale);
-        a.write("loss_scale", scale);
-      }
-      if constexpr (requires(const algorithm_type& al, torch::serialize::OutputArchive& ar) { al.save(ar); }) {
-        torch::serialize::OutputArchive alg;
-        algorithm_.save(alg);
-        a.write("algorithm", alg);
-      }
-      train::save_rng(a);
-      a.write("options", text_tensor(::unirl::options::to_json(opts_).dump()));
+      save(a);
       train::write_extras(a, extras...);
     });
+  }
+
+  /// The same state into an archive: a trainer is itself `Checkpointable`, so one trainer's
+  /// checkpoint can carry another's (`lm.save(path, generator)`, as `joint::chain` does).
+  void save(torch::serialize::OutputArchive& a) const {
+    a.write("unirl.format", torch::tensor(std::int64_t{1}));
+    a.write("unirl.step", torch::tensor(step_));
+    train::save_tensors(a, "policy.", state_of(models_.policy));
+    if (models_.reference && !reference_shared_) train::save_tensors(a, "reference.", state_of(*models_.reference));
+    if (models_.ema) train::save_tensors(a, "ema.", state_of(*models_.ema));
+    if constexpr (algorithm_type::requires_critic && CriticFactory<Model>)
+      train::save_tensors(a, "critic.", state_of(*models_.critic));
+    torch::serialize::OutputArchive opt, guard;
+    optimizer_->save(opt);
+    a.write("optimizer", opt);
+    guard_.save(guard);
+    a.write("guard", guard);
+    if (scaling_) {
+      torch::serialize::OutputArchive scale;
+      scaler_.save(scale);
+      a.write("loss_scale", scale);
+    }
+    if constexpr (requires(const algorithm_type& al, torch::serialize::OutputArchive& ar) { al.save(ar); }) {
+      torch::serialize::OutputArchive alg;
+      algorithm_.save(alg);
+      a.write("algorithm", alg);
+    }
+    train::save_rng(a);
+    a.write("options", text_tensor(::unirl::options::to_json(opts_).dump()));
   }
 
   /// Restores a checkpoint written by `save`, and each of `extras` from what the same position of
@@ -420,31 +499,36 @@ class trainer {
                   "(e.g. a non-const unirl::envs::vector_env of a checkpointable environment)");
     train::read_checkpoint(path, [&](torch::serialize::InputArchive& a) {
       train::check_extras(a, static_cast<std::int64_t>(sizeof...(Extras)), "trainer::load");
-      torch::Tensor t;
-      a.read("unirl.step", t);
-      step_ = t.item<std::int64_t>();
-      train::load_tensors(a, "policy.", state_of(models_.policy));
-      if (models_.reference && !reference_shared_) train::load_tensors(a, "reference.", state_of(*models_.reference));
-      if (models_.ema) train::load_tensors(a, "ema.", state_of(*models_.ema));
-      if constexpr (algorithm_type::requires_critic && CriticFactory<Model>)
-        train::load_tensors(a, "critic.", state_of(*models_.critic));
-      torch::serialize::InputArchive opt, guard;
-      a.read("optimizer", opt);
-      optimizer_->load(opt);
-      a.read("guard", guard);
-      guard_.load(guard);
-      if (scaling_ && train::has_key(a, "loss_scale")) {
-        auto scale = train::read_archive(a, "loss_scale", "trainer::load");
-        scaler_.load(scale);
-      }
-      if constexpr (requires(algorithm_type& al, torch::serialize::InputArchive& ar) { al.load(ar); }) {
-        torch::serialize::InputArchive alg;
-        a.read("algorithm", alg);
-        algorithm_.load(alg);
-      }
-      train::load_rng(a);
+      load(a);
       train::read_extras(a, "trainer::load", extras...);
     });
+  }
+
+  /// Restores what `save(OutputArchive&)` wrote.
+  void load(torch::serialize::InputArchive& a) {
+    torch::Tensor t;
+    a.read("unirl.step", t);
+    step_ = t.item<std::int64_t>();
+    train::load_tensors(a, "policy.", state_of(models_.policy));
+    if (models_.reference && !reference_shared_) train::load_tensors(a, "reference.", state_of(*models_.reference));
+    if (models_.ema) train::load_tensors(a, "ema.", state_of(*models_.ema));
+    if constexpr (algorithm_type::requires_critic && CriticFactory<Model>)
+      train::load_tensors(a, "critic.", state_of(*models_.critic));
+    torch::serialize::InputArchive opt, guard;
+    a.read("optimizer", opt);
+    optimizer_->load(opt);
+    a.read("guard", guard);
+    guard_.load(guard);
+    if (scaling_ && train::has_key(a, "loss_scale")) {
+      auto scale = train::read_archive(a, "loss_scale", "trainer::load");
+      scaler_.load(scale);
+    }
+    if constexpr (requires(algorithm_type& al, torch::serialize::InputArchive& ar) { al.load(ar); }) {
+      torch::serialize::InputArchive alg;
+      a.read("algorithm", alg);
+      algorithm_.load(alg);
+    }
+    train::load_rng(a);
     resumed_ = true;
   }
 
@@ -924,6 +1008,7 @@ class trainer {
   std::optional<train::metrics_writer> metrics_;
   std::optional<train::progress_line> progress_;
   std::int64_t step_ = 0;
+  torch::Tensor last_rewards_;
   bool resumed_ = false;
   bool reference_shared_ = false;  // the reference is the policy with its LoRA adapters off
   train::memory_tracker memory_{device_};

@@ -23,7 +23,7 @@ set(UNIRL_LAYERS
   "models"                      # model adapters and built-in networks
   "train"                       # optimizers, checkpoints, guards, metrics, supervised training
   "envs rewards data"           # environments, rewards, data sets
-  "algorithms parallel"         # RL algorithms, parallelism strategies
+  "algorithms parallel joint"   # RL algorithms, parallelism strategies, compositions of trainers
   "top"                         # trainer.hpp and the umbrella headers
   "recipes")                    # runnable recipes over everything
 # algorithms/ and rollout/ never include these (concrete types): only their concepts.

@@ -10,8 +10,12 @@
 #include <unirl/data/jsonl.hpp>
 #include <unirl/env.hpp>
 #include <unirl/flow.hpp>
+#include <unirl/joint.hpp>
 #include <unirl/models/hf/causal_lm.hpp>
+#include <unirl/parallel/c10d_transport.hpp>
+#include <unirl/parallel/colocated.hpp>
 #include <unirl/parallel/data_parallel.hpp>
+#include <unirl/parallel/rollout_worker.hpp>
 #include <unirl/rewards.hpp>
 #include <unirl/token.hpp>
 #include <unirl/train/flow_matching.hpp>
@@ -391,3 +395,62 @@ static_assert(!TokenCritic<vlm_gpt> && !ModelAdapter<models::vlm::vlm_critic<gpt
 static_assert(AlgorithmFor<algo::grpo<>, vlm_gpt> && AlgorithmFor<algo::ppo<>, vlm_gpt> &&
               AlgorithmFor<algo::grpo<>, vlm_hf> && AlgorithmFor<algo::ppo<>, vlm_hf>);
 static_assert(SamplesFrom<algo::grpo<>, vlm_gpt, prompt_batch> && !SamplesFrom<algo::grpo<>, vlm_gpt, cart_venv>);
+
+// Joint training: a flow trainer can end a chain, a joint::link is what a chain switches, a chain
+// is itself a stepped, checkpointable trainer; near misses lack one member each
+namespace near_miss {
+struct flow_score {
+  torch::Tensor operator()(const flow_rollout& b) { return b.samples().flatten(1).mean(1); }
+};
+struct first_condition {
+  joint::decoded operator()(const token_rollout& b) const { return {b.completion_ids.select(1, 0), b.completion_ids.select(1, 0) >= 0}; }
+};
+using flow_trainer = trainer<flow_t, algo::flow_grpo<>, flow_score>;
+using flow_link = joint::link<flow_trainer, first_condition>;
+using lm_trainer = trainer<gpt, algo::grpo<>, flow_link>;
+// stepped, but not checkpointable
+struct unsaved_trainer {
+  step_stats step(const torch::Tensor&) { return {}; }
+};
+// stepped and checkpointable, but no rollout / last_rewards: cannot end a chain
+struct stepped_only : unsaved_trainer {
+  void save(torch::serialize::OutputArchive&) const {}
+  void load(torch::serialize::InputArchive&) {}
+};
+// a link that cannot report its mode
+struct mute_link {
+  void set_mode(generator_mode) {}
+  const std::optional<step_stats>& generator_stats() const { static std::optional<step_stats> s; return s; }
+};
+}  // namespace near_miss
+static_assert(SteppedTrainer<near_miss::flow_trainer, torch::Tensor> && SteppedTrainer<near_miss::stepped_only, torch::Tensor> &&
+              SteppedTrainer<near_miss::lm_trainer, prompt_batch> &&
+              SteppedTrainer<joint::chain<near_miss::lm_trainer, near_miss::flow_trainer>, prompt_batch>);
+static_assert(!SteppedTrainer<near_miss::unsaved_trainer, torch::Tensor> &&
+              !SteppedTrainer<near_miss::flow_trainer, prompt_batch>);
+static_assert(GeneratorTrainer<near_miss::flow_trainer> && !GeneratorTrainer<near_miss::stepped_only> &&
+              !GeneratorTrainer<near_miss::lm_trainer>);  // an LM trainer steps on prompts, not condition tensors
+static_assert(GeneratorLink<near_miss::flow_link> && !GeneratorLink<near_miss::mute_link> &&
+              !GeneratorLink<near_miss::flow_score>);
+
+// RolloutTransport: the colocated queue and the c10d world; a near miss whose pop loses the
+// batch's policy version (the learner could not tell how stale it is)
+namespace near_miss {
+struct unversioned_transport {
+  std::int64_t max_staleness() const { return 0; }
+  void publish(const std::vector<torch::Tensor>&, std::int64_t) {}
+  std::int64_t fetch(const std::vector<torch::Tensor>&, std::int64_t, std::int64_t) { return 0; }
+  bool push(versioned_batch<token_rollout>) { return true; }
+  std::optional<token_rollout> pop(std::int64_t) { return std::nullopt; }
+};
+}  // namespace near_miss
+static_assert(RolloutTransport<parallel::colocated_transport<token_rollout>, token_rollout> &&
+              RolloutTransport<parallel::c10d_transport<token_rollout>, token_rollout> &&
+              RolloutTransport<parallel::colocated_transport<flow_rollout>, flow_rollout>);
+static_assert(!RolloutTransport<near_miss::unversioned_transport, token_rollout> &&
+              !RolloutTransport<parallel::colocated_transport<flow_rollout>, token_rollout>);
+// The wire format carries every member type of the library's rollout batches (instantiated here,
+// so a new member type the wire cannot carry fails this build; round trips: unit_distributed).
+[[maybe_unused]] inline constexpr auto wire_token = &parallel::wire::decode<token_rollout>;
+[[maybe_unused]] inline constexpr auto wire_flow = &parallel::wire::decode<flow_rollout>;
+[[maybe_unused]] inline constexpr auto wire_env = &parallel::wire::encode<env_rollout>;

@@ -6,6 +6,7 @@
 #include <unirl/eval/bleu.hpp>
 #include <unirl/eval/ssim.hpp>
 #include <unirl/flow.hpp>
+#include <unirl/joint.hpp>
 #include <unirl/rewards.hpp>
 #include <unirl/rewards/server.hpp>
 #include <unirl/token.hpp>
@@ -119,3 +120,9 @@ static_assert(reflects_every_member<unirl::rewards::clip_config>);
 static_assert(reflects_every_member<unirl::rewards::encoder_train_options>);
 static_assert(reflects_every_member<unirl::rewards::classifier_config>);
 static_assert(reflects_every_member<unirl::rewards::answer_class_options>);
+
+// joint training
+static_assert(reflects_every_member<unirl::joint::link_options>);
+static_assert(reflects_every_member<unirl::joint::stage>);
+static_assert(reflects_every_member<unirl::joint::chain_options>);
+static_assert(reflects_every_member<unirl::joint::multitask_options>);

@@ -1164,3 +1164,120 @@ TEST_CASE("lora on a flow net: zero-initialised adapters keep the velocity; RAM 
     run(std::type_identity<algo::flow_grpo<>>{}, algo::flow_grpo_options{.beta = 0.04, .sampler = {.steps = 4}});
   }
 }
+
+TEST_CASE("Flow-DPPO's clamped-KL trust region (seed 000) on hand values (float64)", "[flow][cpu]") {
+  // Seed 000: eps = clamp(KL, 0.01, 0.2), loss = -min(rho A, clip(rho, 1 - eps, 1 + eps) A).
+  // rho = exp(logp): exp(0.05) = 1.0512710963760241, exp(0.005) = 1.005012520859401,
+  // exp(0.1) = 1.1051709180756477, exp(-0.3) = 0.7408182206817179, exp(-0.1) = 0.9048374180359595.
+  const auto logp = f64({0.05, 0.005, 0.1, -0.3, 0.1, -0.1, 0.1}).requires_grad_(true);
+  const auto old = torch::zeros({7}, torch::kFloat64);
+  const auto adv = f64({1.0, 2.0, 1.0, -1.0, -1.0, 0.5, 3.0});
+  const auto kl = f64({0.001, 0.001, 0.5, 0.5, 0.05, 0.05, 0.05}).requires_grad_(true);
+  const auto r = algo::flow_dppo_clamped_loss(logp, old, adv, kl, 0.01, 0.2);
+  // 0: KL 0.001 below the minimum -> eps = 0.01; A > 0 and rho = 1.0513 > 1.01: clipped, -1.01.
+  // 1: eps = 0.01, rho = 1.0050 inside: -2 rho. 2: KL 0.5 above the maximum -> eps = 0.2; rho =
+  // 1.1052 inside 1 +- 0.2: -rho (the 1e-5 KL mask would drop this term). 3: eps = 0.2, A < 0 and
+  // rho = 0.7408 < 0.8: max(0.7408, 0.8) = 0.8, clipped. 4: eps = KL = 0.05, A < 0 and rho = 1.1052
+  // > 1.05: max(1.1052, 1.05) = 1.1052, the unclipped term (rho moved against A's push). 5: eps =
+  // 0.05, A = 0.5, rho = 0.9048 < 0.95: max(-0.4524, -0.475) = -0.4524, unclipped. 6: eps = 0.05,
+  // A = 3, rho = 1.1052 > 1.05: max(-3.3155, -3.15) = -3.15, clipped.
+  check_values(r.loss, {-1.01, -2.010025041718802, -1.1051709180756477, 0.8, 1.1051709180756477,
+                        -0.45241870901797976, -3.15});
+  check_values(r.ratio, {1.0512710963760241, 1.005012520859401, 1.1051709180756477, 0.7408182206817179,
+                         1.1051709180756477, 0.9048374180359595, 1.1051709180756477});
+  CHECK(as_bools(r.clipped) == std::vector<bool>{true, false, false, true, false, false, true});
+  // d loss / d logp = -A rho on the unclipped branch, 0 on the clipped one; no gradient reaches
+  // the KL (it sets the clip range, a constant).
+  r.loss.sum().backward();
+  check_values(logp.grad(), {0.0, -2.010025041718802, -1.1051709180756477, 0.0, 1.1051709180756477,
+                             -0.45241870901797976, 0.0});
+  CHECK_FALSE(kl.grad().defined());
+  // The bounds are options: a range fixed at 0.1 (min = max) clips sample 1 no more (|rho - 1| =
+  // 0.005 < 0.1) and sample 0 no more either (0.0513 < 0.1): -A rho for both.
+  const auto fixed = algo::flow_dppo_clamped_loss(logp.detach(), old, adv, kl.detach(), 0.1, 0.1);
+  check_values(fixed.loss.slice(0, 0, 2), {-1.0512710963760241, -2.010025041718802});
+  // Shapes and bounds are checked, naming the value.
+  CHECK_THROWS_WITH(algo::flow_dppo_clamped_loss(logp, old, adv, kl.slice(0, 0, 3), 0.01, 0.2),
+                    Catch::Contains("kl sizes"));
+  CHECK_THROWS_WITH(algo::flow_dppo_clamped_loss(logp, old, adv, kl, -0.5, 0.2), Catch::Contains("region_min = -0.5"));
+  CHECK_THROWS_WITH(algo::flow_dppo_clamped_loss(logp, old, adv, kl, 0.3, 0.2), Catch::Contains("region_max = 0.2"));
+}
+
+TEST_CASE("Flow-DPPO with trust_region = clamped_kl equals seed 000's formula on a hand-made rollout", "[flow][cpu]") {
+  // Two samples, w_old = 0.5 -> w_new = 0.7: the step mean moves by dm = -0.1, so every sample's
+  // KL to the sampling step is dm^2 / (2 * 0.49) = 0.0102 (just above the 0.01 minimum).
+  const std::vector<double> xn{0.1, 0.6};
+  const double advs[2] = {1.0, -1.0};
+  const auto batch = hand_rollout(xn, {1.0f, -1.0f});
+  const double w_new = 0.7;
+  const double dm = hand_mean(w_new) - hand_mean(w_old);
+  const double kl = dm * dm / (2 * step_std * step_std);
+  auto hand_policy = [&](double w, double eps) {
+    double p = 0;
+    for (std::size_t i = 0; i < 2; ++i) {
+      const double rho = std::exp(hand_logp(xn[i], w) - hand_logp(xn[i], w_old));
+      p += std::max(-advs[i] * rho, -advs[i] * std::min(std::max(rho, 1 - eps), 1 + eps)) / 2;
+    }
+    return p;
+  };
+  const double rho0 = std::exp(hand_logp(xn[0], w_new) - hand_logp(xn[0], w_old));  // 1.0751
+  const double rho1 = std::exp(hand_logp(xn[1], w_new) - hand_logp(xn[1], w_old));  // 0.9708
+  REQUIRE(rho0 > 1.05);
+  REQUIRE((rho1 > 0.95 && rho1 < 1 - kl));
+  SECTION("default bounds: eps = KL = 0.0102, both samples clipped") {
+    auto ms = scale_models(w_new, w_old);
+    algo::flow_dppo<> a({.trust_region = algo::dppo_trust_region::clamped_kl, .timestep_fraction = 0.5});
+    const auto terms = a.loss(ms, batch, {});
+    // By hand: -(1 + kl) for sample 0 (A = 1), (1 - kl) for sample 1 (A = -1).
+    CHECK(terms.policy == Approx((-(1 + kl) + (1 - kl)) / 2).epsilon(1e-5));
+    CHECK(terms.policy == Approx(hand_policy(w_new, kl)).epsilon(1e-5));
+    CHECK(terms.clip_fraction == Approx(1.0));
+    CHECK(terms.extra.at("flow/kl_to_old") == Approx(kl).epsilon(1e-4));
+    CHECK(terms.extra.at("flow/clip_range") == Approx(kl).epsilon(1e-4));
+    // The default mask (delta = 1e-5) drops both: each ratio moved the way its advantage pushes.
+    algo::flow_dppo<> mask({.timestep_fraction = 0.5});
+    const auto m = mask.loss(ms, batch, {});
+    CHECK(m.policy == 0.0);
+    CHECK(m.clip_fraction == Approx(1.0));
+    CHECK(m.extra.count("flow/clip_range") == 0);
+  }
+  SECTION("region_min = 0.05: sample 1 inside, its gradient matches a finite difference") {
+    auto ms = scale_models(w_new, w_old);
+    algo::flow_dppo<> a({.trust_region = algo::dppo_trust_region::clamped_kl, .region_min = 0.05,
+                         .timestep_fraction = 0.5});
+    const auto terms = a.loss(ms, batch, {});
+    CHECK(terms.policy == Approx((-1.05 + rho1) / 2).epsilon(1e-5));
+    CHECK(terms.clip_fraction == Approx(0.5));
+    CHECK(terms.extra.at("flow/clip_range") == Approx(0.05).epsilon(1e-6));
+    terms.total.backward();
+    const double h = 1e-5, fd = (hand_policy(w_new + h, 0.05) - hand_policy(w_new - h, 0.05)) / (2 * h);
+    REQUIRE(std::abs(fd) > 1e-3);
+    CHECK(ms.policy.net()->w.grad().item<double>() == Approx(fd).epsilon(1e-3));
+  }
+}
+
+TEST_CASE("Flow-DPPO's trust-region options: names, defaults and validation", "[flow][cpu]") {
+  algo::flow_dppo_options o;
+  CHECK(o.trust_region == algo::dppo_trust_region::kl_mask);  // the UniRL mask stays the default
+  CHECK(o.region_min == 0.01);
+  CHECK(o.region_max == 0.2);
+  options::apply_overrides(o, {"trust_region=clamped_kl", "region_min=0.02", "region_max=0.1"});
+  CHECK(o.trust_region == algo::dppo_trust_region::clamped_kl);
+  CHECK(o.region_min == 0.02);
+  CHECK(o.region_max == 0.1);
+  CHECK_THROWS_WITH(options::apply_overrides(o, {"trust_region=clamp"}),
+                    Catch::Contains("trust_region") && Catch::Contains("kl_mask, clamped_kl"));
+  // As the algorithm's options in a trainer recipe: algorithm.trust_region=clamped_kl.
+  trainer_options<algo::flow_dppo<>> to;
+  options::apply_overrides(to, {"algorithm.trust_region=clamped_kl", "algorithm.region_max=0.5"});
+  CHECK(to.algorithm.trust_region == algo::dppo_trust_region::clamped_kl);
+  CHECK(to.algorithm.region_max == 0.5);
+  // Bad bounds: 0 <= region_min <= region_max, the bad value named.
+  CHECK_THROWS_WITH(algo::flow_dppo<>({.region_min = -0.01}),
+                    Catch::Contains("region_min") && Catch::Contains("-0.01") && Catch::Contains(">= 0"));
+  CHECK_THROWS_WITH(algo::flow_dppo<>({.region_min = 0.3, .region_max = 0.2}),
+                    Catch::Contains("region_max") && Catch::Contains("0.2") && Catch::Contains("region_min (0.3)"));
+  CHECK_THROWS_AS(algo::flow_dppo<>({.region_min = 0.3, .region_max = 0.2}), unirl::config_error);
+  CHECK_NOTHROW(algo::flow_dppo<>({.trust_region = algo::dppo_trust_region::clamped_kl, .region_min = 0.1,
+                                   .region_max = 0.1}));
+}

@@ -26,7 +26,7 @@ namespace {
 
 std::filesystem::path fixture_dir() { return std::filesystem::path(UNIRL_SOURCE_DIR) / "tests" / "fixtures" / "vlm"; }
 
-double max_diff(const torch::Tensor& a, const torch::Tensor& b) {
+double max_abs_diff(const torch::Tensor& a, const torch::Tensor& b) {
   REQUIRE(a.sizes() == b.sizes());
   return (a.to(torch::kDouble) - b.to(torch::kDouble)).abs().max().item<double>();
 }
@@ -109,18 +109,18 @@ TEST_CASE("vlm: logits equal the independent LLaVA implementation's, image token
     REQUIRE(slot_ids.sizes() == ids.sizes());
     CHECK(((slot_ids >= model.vocab_size()) == (ids == token)).all().item<bool>());
     const auto want = ref.at("logits");
-    const auto diff = max_diff(model.logits(slot_ids, mask), want);
+    const auto diff = max_abs_diff(model.logits(slot_ids, mask), want);
     WARN(name << ": max |logits - reference| = " << diff << " (fp32)");
     CHECK(diff < 1e-5);
     // The same through the hidden states and the head, packing, and the KV cache.
-    CHECK(max_diff(torch::matmul(model.hidden_states(slot_ids, mask), model.lm_head_weight().t()), want) < 1e-5);
+    CHECK(max_abs_diff(torch::matmul(model.hidden_states(slot_ids, mask), model.lm_head_weight().t()), want) < 1e-5);
     const auto L = ids.size(1);
     const auto positions = torch::arange(L, torch::kInt64).repeat({1, ids.size(0)});
     const auto segments = torch::arange(ids.size(0), torch::kInt64).repeat_interleave(L).unsqueeze(0);
     const auto packed = model.logits_packed(slot_ids.reshape({1, -1}), positions, segments);
-    CHECK(max_diff(packed.view_as(want), want) < 1e-5);
+    CHECK(max_abs_diff(packed.view_as(want), want) < 1e-5);
     auto cache = model.make_cache(ids.size(0), L + 1);
-    CHECK(max_diff(model.logits_cached(slot_ids, mask, cache), want) < 1e-5);
+    CHECK(max_abs_diff(model.logits_cached(slot_ids, mask, cache), want) < 1e-5);
     CHECK(model.vision_tower_calls() == 2);  // each image encoded once for all four forwards
     CHECK(model.images().counts().reused == 6);
   }
@@ -199,13 +199,13 @@ TEST_CASE("vlm: cached image features give the logits of recomputing them every 
   const auto again = model.logits(ids, mask);
   CHECK(model.vision_tower_calls() == 2);  // served from the cache
   CHECK(model.images().counts().reused == 2);
-  CHECK(max_diff(first, want) < 1e-12);
+  CHECK(max_abs_diff(first, want) < 1e-12);
   CHECK(torch::equal(first, again));
 
   // A copy shares the table and, its tower frozen, the cached features.
   auto copy = model.clone();
   CHECK(&copy.images() == &model.images());
-  CHECK(max_diff(copy.logits(ids, mask), want) < 1e-12);
+  CHECK(max_abs_diff(copy.logits(ids, mask), want) < 1e-12);
   CHECK(model.vision_tower_calls() == 2);
 
   // A trainable tower in a forward with gradients recomputes both images (one packed call).
@@ -215,7 +215,7 @@ TEST_CASE("vlm: cached image features give the logits of recomputing them every 
     torch::AutoGradMode on(true);
     const auto with_grad = trained.logits(ids, mask);
     CHECK(model.images().counts().recomputed == 2);
-    CHECK(max_diff(with_grad, want) < 1e-12);
+    CHECK(max_abs_diff(with_grad, want) < 1e-12);
     with_grad.sum().backward();
     CHECK(trained.vision_tower()->vision_model->embeddings->patch_embedding->weight.grad().abs().sum().item<double>() > 0);
   }
@@ -263,7 +263,7 @@ TEST_CASE("vlm: with cache_features off every forward encodes its images again, 
   for (std::int64_t f = 0; f < forwards; ++f) {
     const auto want = cached.logits(ids, mask);
     const auto got = uncached.logits(ids, mask);
-    CHECK(max_diff(got, want) < 1e-12);
+    CHECK(max_abs_diff(got, want) < 1e-12);
   }
   CHECK(cached.vision_tower_calls() == images);               // encoded once, then reused
   CHECK(uncached.vision_tower_calls() == forwards * images);  // every forward encodes every image it shows
