@@ -452,10 +452,7 @@ class trainer {
                   "unirl::trainer::save: every extra must model unirl::Checkpointable: "
                   "void save(torch::serialize::OutputArchive&) const and void load(torch::serialize::InputArchive&) "
                   "(e.g. unirl::envs::vector_env of a checkpointable environment)");
-    train::write_checkpoint(path, [&](torch::serialize::OutputArchive& a) {
-      save(a);
-      train::write_extras(a, extras...);
-    });
+    train::save_with_extras(path, *this, extras...);
   }
 
   /// The same state into an archive: a trainer is itself `Checkpointable`, so one trainer's
@@ -497,11 +494,7 @@ class trainer {
                   "unirl::trainer::load: every extra must model unirl::Checkpointable: "
                   "void save(torch::serialize::OutputArchive&) const and void load(torch::serialize::InputArchive&) "
                   "(e.g. a non-const unirl::envs::vector_env of a checkpointable environment)");
-    train::read_checkpoint(path, [&](torch::serialize::InputArchive& a) {
-      train::check_extras(a, static_cast<std::int64_t>(sizeof...(Extras)), "trainer::load");
-      load(a);
-      train::read_extras(a, "trainer::load", extras...);
-    });
+    train::load_with_extras(path, *this, "trainer::load", extras...);
   }
 
   /// Restores what `save(OutputArchive&)` wrote.

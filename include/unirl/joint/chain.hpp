@@ -196,10 +196,7 @@ class chain {
   void save(const std::string& path, const Extras&... extras) const {
     static_assert((Checkpointable<Extras> && ...),
                   "unirl::joint::chain::save: every extra must model unirl::Checkpointable");
-    train::write_checkpoint(path, [&](torch::serialize::OutputArchive& a) {
-      save(a);
-      train::write_extras(a, extras...);
-    });
+    train::save_with_extras(path, *this, extras...);
   }
   /// Restores what `save(path, extras...)` wrote; the run continues bit for bit, in its stage.
   /// A checkpoint of a chain with other stages is refused (naming both schedules): the stage of
@@ -208,11 +205,7 @@ class chain {
   void load(const std::string& path, Extras&... extras) {
     static_assert((Checkpointable<Extras> && ...),
                   "unirl::joint::chain::load: every extra must model unirl::Checkpointable");
-    train::read_checkpoint(path, [&](torch::serialize::InputArchive& a) {
-      train::check_extras(a, static_cast<std::int64_t>(sizeof...(Extras)), "joint::chain::load");
-      load(a);
-      train::read_extras(a, "joint::chain::load", extras...);
-    });
+    train::load_with_extras(path, *this, "joint::chain::load", extras...);
   }
 
   void save(torch::serialize::OutputArchive& a) const {

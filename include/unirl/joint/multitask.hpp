@@ -448,10 +448,7 @@ class multitask {
   void save(const std::string& path, const Extras&... extras) const {
     static_assert((Checkpointable<Extras> && ...),
                   "unirl::joint::multitask::save: every extra must model unirl::Checkpointable");
-    train::write_checkpoint(path, [&](torch::serialize::OutputArchive& a) {
-      save(a);
-      train::write_extras(a, extras...);
-    });
+    train::save_with_extras(path, *this, extras...);
   }
   /// Restores what `save(path, extras...)` wrote; the run continues bit for bit (on CPU). A
   /// checkpoint of other tasks, weights or options is refused, naming both.
@@ -459,11 +456,7 @@ class multitask {
   void load(const std::string& path, Extras&... extras) {
     static_assert((Checkpointable<Extras> && ...),
                   "unirl::joint::multitask::load: every extra must model unirl::Checkpointable");
-    train::read_checkpoint(path, [&](torch::serialize::InputArchive& a) {
-      train::check_extras(a, static_cast<std::int64_t>(sizeof...(Extras)), "joint::multitask::load");
-      load(a);
-      train::read_extras(a, "joint::multitask::load", extras...);
-    });
+    train::load_with_extras(path, *this, "joint::multitask::load", extras...);
   }
 
   void save(torch::serialize::OutputArchive& a) const {

@@ -63,16 +63,7 @@ class c10d_transport {
     UNIRL_CHECK(o_.max_staleness >= 0, "c10d_transport: max_staleness = ", o_.max_staleness, ": expected >= 0");
     UNIRL_CHECK(o_.bucket_bytes > 0, "c10d_transport: bucket_bytes = ", o_.bucket_bytes, ": expected > 0");
     const auto& r = o_.rdzv;
-    if (!r.file_path.empty()) {
-      store_ = c10::make_intrusive<c10d::FileStore>(r.file_path, world_size);
-    } else {
-      c10d::TCPStoreOptions so;
-      so.port = static_cast<std::uint16_t>(r.port);
-      so.isServer = rank == 0;
-      so.numWorkers = world_size;
-      so.timeout = r.timeout;
-      store_ = c10::make_intrusive<c10d::TCPStore>(r.host, so);
-    }
+    store_ = make_store(r, rank, world_size);
     store_->setTimeout(r.timeout);
     group_ = Backend::create(store_, rank, world_size, r);
     live_ = world_size - 1;

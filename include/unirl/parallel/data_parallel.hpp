@@ -49,6 +49,18 @@ struct rendezvous {
   std::int64_t broadcast_every = 0;  // > 0: re-broadcast rank 0's weights every N syncs
 };
 
+/// The store the ranks of `r` meet at: a FileStore at `r.file_path`, or a TCPStore at `r.host`,
+/// `r.port` served by rank 0 (every wait bounded by `r.timeout`).
+inline c10::intrusive_ptr<c10d::Store> make_store(const rendezvous& r, int rank, int world_size) {
+  if (!r.file_path.empty()) return c10::make_intrusive<c10d::FileStore>(r.file_path, world_size);
+  c10d::TCPStoreOptions o;
+  o.port = static_cast<std::uint16_t>(r.port);
+  o.isServer = rank == 0;
+  o.numWorkers = world_size;
+  o.timeout = r.timeout;
+  return c10::make_intrusive<c10d::TCPStore>(r.host, o);
+}
+
 /// Gloo process groups (CPU tensors).
 struct gloo {
   static c10::intrusive_ptr<c10d::ProcessGroupGloo> create(const c10::intrusive_ptr<c10d::Store>& store, int rank,
@@ -84,17 +96,7 @@ class data_parallel {
   data_parallel(int rank, int world_size, rendezvous r = {}) : rank_(rank), world_size_(world_size), r_(std::move(r)) {
     UNIRL_CHECK(world_size >= 1, "data_parallel: world_size = ", world_size, ": expected >= 1");
     UNIRL_CHECK(rank >= 0 && rank < world_size, "data_parallel: rank = ", rank, ": expected in [0, ", world_size, ")");
-    c10::intrusive_ptr<c10d::Store> store;
-    if (!r_.file_path.empty()) {
-      store = c10::make_intrusive<c10d::FileStore>(r_.file_path, world_size);
-    } else {
-      c10d::TCPStoreOptions o;
-      o.port = static_cast<std::uint16_t>(r_.port);
-      o.isServer = rank == 0;
-      o.numWorkers = world_size;
-      o.timeout = r_.timeout;
-      store = c10::make_intrusive<c10d::TCPStore>(r_.host, o);
-    }
+    const c10::intrusive_ptr<c10d::Store> store = make_store(r_, rank, world_size);
     group_ = Backend::create(store, rank, world_size, r_);
   }
 

@@ -32,6 +32,7 @@
 #include <utility>
 #include <vector>
 
+#include <boost/hana.hpp>
 #include <torch/torch.h>
 
 #include <unirl/concepts/algorithm.hpp>

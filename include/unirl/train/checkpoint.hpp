@@ -445,6 +445,28 @@ void read_extras(torch::serialize::InputArchive& a, const std::string& who, Extr
       ...);
 }
 
+/// One checkpoint file for `state` (anything with `save(OutputArchive&) const`: a trainer, a
+/// `joint::chain`, a `joint::multitask`) and its `extras` (`Checkpointable`), written atomically
+/// by `write_checkpoint`: what `save(path, extras...)` of a composition of trainers does.
+template <class State, class... Extras>
+void save_with_extras(const std::string& path, const State& state, const Extras&... extras) {
+  write_checkpoint(path, [&](torch::serialize::OutputArchive& a) {
+    state.save(a);
+    write_extras(a, extras...);
+  });
+}
+
+/// Restores what `save_with_extras` wrote into `state` and `extras`: the extras' count is checked
+/// first (a mismatch changes nothing), errors are prefixed `who`.
+template <class State, class... Extras>
+void load_with_extras(const std::string& path, State& state, const std::string& who, Extras&... extras) {
+  read_checkpoint(path, [&](torch::serialize::InputArchive& a) {
+    check_extras(a, static_cast<std::int64_t>(sizeof...(Extras)), who);
+    state.load(a);
+    read_extras(a, who, extras...);
+  });
+}
+
 }  // namespace unirl::train
 
 // The Checkpointable concept: concepts/checkpoint.hpp.

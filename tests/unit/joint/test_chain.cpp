@@ -10,14 +10,18 @@
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
+#include <unirl/algorithms/flow_dppo.hpp>
 #include <unirl/algorithms/flow_grpo.hpp>
 #include <unirl/algorithms/grpo.hpp>
+#include <unirl/algorithms/ram.hpp>
 #include <unirl/joint/chain.hpp>
 #include <unirl/joint/link.hpp>
 #include <unirl/models/flow.hpp>
 #include <unirl/models/flow_nets.hpp>
 #include <unirl/models/gpt.hpp>
 #include <unirl/trainer.hpp>
+
+#include "weights.hpp"
 
 using namespace unirl;
 
@@ -78,18 +82,6 @@ typename lm_trainer<Reward>::options lm_options() {
 
 const prompt_batch prompts{.tokens = {{1}, {1}}};
 
-template <class M>
-std::vector<torch::Tensor> weights(const M& m) {
-  std::vector<torch::Tensor> w;
-  for (const auto& p : m.parameters()) w.push_back(p.detach().clone());
-  return w;
-}
-bool same(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {
-  if (a.size() != b.size()) return false;
-  for (std::size_t i = 0; i < a.size(); ++i)
-    if (!torch::equal(a[i], b[i])) return false;
-  return true;
-}
 
 // An upstream batch the link can be called with directly: a fixed set of first tokens.
 struct fixed_batch {
@@ -117,13 +109,13 @@ TEST_CASE("joint::link: each upstream sample gets the mean reward of the generat
   joint::link<gen_trainer<condition_value>, fixed_decode> link{gen, fixed_decode{}, {.invalid_reward = -0.5}};
   // tokens 0, 7: invalid; 2..5: conditions 0..3
   const fixed_batch b{torch::tensor({3, 0, 5, 7, 2, 4}, torch::kInt64).reshape({6, 1})};
-  const auto before = weights(gen.models().policy);
+  const auto before = unirl_test::parameter_copies(gen.models().policy);
 
   SECTION("frozen: sampled and scored, never updated") {
     const auto r = link(b);
     CHECK(torch::allclose(r, torch::tensor({1.0f, -0.5f, 3.0f, -0.5f, 0.0f, 2.0f})));
     CHECK(gen.step_count() == 0);
-    CHECK(same(before, weights(gen.models().policy)));
+    CHECK(unirl_test::all_equal(before, unirl_test::parameter_copies(gen.models().policy)));
     CHECK_FALSE(link.generator_stats().has_value());
     CHECK(link.last_components().at("valid_fraction") == Approx(4.0 / 6.0));
     CHECK(link.last_components().at("generator_reward") == Approx(1.5));
@@ -170,8 +162,8 @@ TEST_CASE("joint::chain: the stage decides who learns, stages come from a recipe
   joint::chain c{lm, gen, o};
   const std::vector<std::string> names{"lm", "lm", "gen", "gen", "both", "both"};
   for (std::size_t k = 0; k < names.size(); ++k) {
-    const auto lm_before = weights(lm.models().policy);
-    const auto gen_before = weights(gen.models().policy);
+    const auto lm_before = unirl_test::parameter_copies(lm.models().policy);
+    const auto gen_before = unirl_test::parameter_copies(gen.models().policy);
     const auto lm_steps = lm.step_count(), gen_steps = gen.step_count();
     const auto s = c.step(prompts);
     INFO("chain step " << k);
@@ -179,8 +171,8 @@ TEST_CASE("joint::chain: the stage decides who learns, stages come from a recipe
     const bool lm_learns = names[k] != "gen", gen_learns = names[k] != "lm";
     CHECK(lm.step_count() == lm_steps + (lm_learns ? 1 : 0));
     CHECK(gen.step_count() == gen_steps + (gen_learns ? 1 : 0));
-    CHECK(same(lm_before, weights(lm.models().policy)) == !lm_learns);
-    CHECK(same(gen_before, weights(gen.models().policy)) == !gen_learns);
+    CHECK(unirl_test::all_equal(lm_before, unirl_test::parameter_copies(lm.models().policy)) == !lm_learns);
+    CHECK(unirl_test::all_equal(gen_before, unirl_test::parameter_copies(gen.models().policy)) == !gen_learns);
     CHECK(s.upstream.has_value() == lm_learns);
     CHECK(s.generator.has_value() == gen_learns);
     CHECK(std::isfinite(s.reward_mean));
@@ -234,8 +226,8 @@ TEST_CASE("joint::chain: one checkpoint for both trainers, a run resumed in stag
   auto continue_run = [&](auto& c, auto& lm, auto& gen, int steps) {
     run_record r;
     for (int k = 0; k < steps; ++k) r.rewards.push_back(c.step(prompts).reward_mean);
-    r.lm = weights(lm.models().policy);
-    r.gen = weights(gen.models().policy);
+    r.lm = unirl_test::parameter_copies(lm.models().policy);
+    r.gen = unirl_test::parameter_copies(gen.models().policy);
     return r;
   };
   run_record straight;
@@ -261,12 +253,38 @@ TEST_CASE("joint::chain: one checkpoint for both trainers, a run resumed in stag
     CHECK(gen.step_count() == 1);
     const auto resumed = continue_run(c, lm, gen, 4);
     CHECK(resumed.rewards == straight.rewards);
-    CHECK(same(resumed.lm, straight.lm));
-    CHECK(same(resumed.gen, straight.gen));
+    CHECK(unirl_test::all_equal(resumed.lm, straight.lm));
+    CHECK(unirl_test::all_equal(resumed.gen, straight.gen));
 
     // A chain with another schedule refuses the file, naming both schedules.
     joint::chain other{lm, gen, {.stages = {{"both", 0, joint::stage_mode::joint}}}};
     CHECK_THROWS_WITH(other.load(path), Catch::Contains("schedule") && Catch::Contains("\"gen\""));
   }
   std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("joint::chain: the generator learns with Flow-DPPO or RAM as well as Flow-GRPO", "[cpu][joint]") {
+  auto run = [](auto tag, auto algo_options) {
+    using A = typename decltype(tag)::type;
+    using gen_t = trainer<flow_t, A, pick_two>;
+    using lm_t = trainer<models::gpt, algo::grpo<>, joint::link<gen_t, first_token>>;
+    torch::manual_seed(8);
+    gen_t gen{tiny_flow(), pick_two{}, {.algorithm = algo_options, .optim = {.lr = 1e-2}, .group_size = 2, .seed = 3,
+                                        .progress = false}};
+    lm_t lm{tiny_gpt(), joint::link<gen_t, first_token>{gen, first_token{}}, lm_options<pick_two>()};
+    joint::chain c{lm, gen};  // one joint stage
+    const auto before = unirl_test::parameter_copies(gen.models().policy);
+    for (int k = 0; k < 3; ++k) {
+      const auto s = c.step(prompts);
+      CHECK(s.mode == joint::stage_mode::joint);
+      CHECK(std::isfinite(s.reward_mean));
+      // steps the generator only when some completion named a condition
+      CHECK(s.generator.has_value() == (s.upstream->extra.at("reward/valid_fraction") > 0));
+    }
+    CHECK(lm.step_count() == 3);
+    CHECK(gen.step_count() >= 1);
+    CHECK_FALSE(unirl_test::all_equal(before, unirl_test::parameter_copies(gen.models().policy)));
+  };
+  SECTION("Flow-DPPO") { run(std::type_identity<algo::flow_dppo<>>{}, algo::flow_dppo_options{.sampler = {.steps = 3}}); }
+  SECTION("RAM") { run(std::type_identity<algo::ram<>>{}, algo::ram_options{.multiplier = 1.0, .sampler = {.steps = 3}}); }
 }

@@ -22,6 +22,8 @@
 #include <unirl/models/gpt.hpp>
 #include <unirl/trainer.hpp>
 
+#include "weights.hpp"
+
 using namespace unirl;
 
 // Everything in this file lives in its own namespace: the suite is built as one translation unit
@@ -70,18 +72,6 @@ flow_trainer make_flow(std::uint64_t seed) {
 prompt_batch prompts(std::int64_t k) { return prompt_batch{.tokens = {{1 + k % 3}, {2}}}; }
 torch::Tensor labels(std::int64_t k) { return torch::tensor(std::vector<std::int64_t>{k % 4, (k + 1) % 4}); }
 
-template <class M>
-std::vector<torch::Tensor> weights_of(const M& m) {
-  std::vector<torch::Tensor> w;
-  for (const auto& p : m.parameters()) w.push_back(p.detach().clone());
-  return w;
-}
-bool same(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {
-  if (a.size() != b.size()) return false;
-  for (std::size_t i = 0; i < a.size(); ++i)
-    if (!torch::equal(a[i], b[i])) return false;
-  return true;
-}
 
 // A task that is not a trainer: its mean reward is scripted, its position checkpointable.
 struct scripted {
@@ -273,8 +263,8 @@ TEST_CASE("multitask: a short run of a token trainer and a flow trainer records 
   std::map<std::string, std::int64_t> count;
   std::map<std::string, double> last;
   for (int i = 0; i < 8; ++i) {
-    const auto lm_before = weights_of(lm.models().policy);
-    const auto gen_before = weights_of(gen.models().policy);
+    const auto lm_before = unirl_test::parameter_copies(lm.models().policy);
+    const auto gen_before = unirl_test::parameter_copies(gen.models().policy);
     const auto s = m.step();
     CHECK(s.step == i);
     CHECK(s.probability == 0.5);
@@ -288,8 +278,8 @@ TEST_CASE("multitask: a short run of a token trainer and a flow trainer records 
     last[s.name] = s.reward_mean;
     // Only the chosen trainer stepped: the other's weights are untouched.
     CHECK(s.stats->optimizer_steps == 1);
-    if (s.name != "bandit") CHECK(same(weights_of(lm.models().policy), lm_before));
-    if (s.name != "digits") CHECK(same(weights_of(gen.models().policy), gen_before));
+    if (s.name != "bandit") CHECK(unirl_test::all_equal(unirl_test::parameter_copies(lm.models().policy), lm_before));
+    if (s.name != "digits") CHECK(unirl_test::all_equal(unirl_test::parameter_copies(gen.models().policy), gen_before));
     for (const std::string name : {"bandit", "digits"}) {
       CHECK(s.figures.at("task/" + name + "/steps") == static_cast<double>(count[name]));
       CHECK(s.figures.at("task/" + name + "/probability") == 0.5);
@@ -336,8 +326,8 @@ TEST_CASE("multitask: save at step k and continue, then load into fresh objects 
       r.rewards.push_back(s.reward_mean);
       r.probabilities.push_back(s.probability);
     }
-    r.lm = weights_of(lm.models().policy);
-    r.gen = weights_of(gen.models().policy);
+    r.lm = unirl_test::parameter_copies(lm.models().policy);
+    r.gen = unirl_test::parameter_copies(gen.models().policy);
     r.figures = m.figures();
     return r;
   };
@@ -356,15 +346,15 @@ TEST_CASE("multitask: save at step k and continue, then load into fresh objects 
   auto lm = make_lm(21);
   auto gen = make_flow(22);
   auto m = make(lm, gen);
-  CHECK_FALSE(same(weights_of(lm.models().policy), first.lm));  // other weights before the load
+  CHECK_FALSE(unirl_test::all_equal(unirl_test::parameter_copies(lm.models().policy), first.lm));  // other weights before the load
   m.load(path);
   CHECK(m.step_count() == k);
   const record second = continue_run(m, lm, gen);
   CHECK(second.chosen == first.chosen);
   CHECK(second.rewards == first.rewards);
   CHECK(second.probabilities == first.probabilities);
-  CHECK(same(second.lm, first.lm));
-  CHECK(same(second.gen, first.gen));
+  CHECK(unirl_test::all_equal(second.lm, first.lm));
+  CHECK(unirl_test::all_equal(second.gen, first.gen));
   CHECK(second.figures == first.figures);
   INFO("chosen after the checkpoint: " << nlohmann::json(first.chosen).dump());
   CHECK(m.step_count() == k + n);
@@ -431,13 +421,13 @@ TEST_CASE("multitask: a joint::chain is a task like any trainer, its chain_stats
   };
   run(3);
   m.save(path);
-  const auto gen_at_save = weights_of(gen.models().policy);
+  const auto gen_at_save = unirl_test::parameter_copies(gen.models().policy);
   const auto [chosen, rewards] = run(4);
   INFO(nlohmann::json(chosen).dump());
   CHECK(std::count(chosen.begin(), chosen.end(), "prompted") >= 1);  // seed 1: both tasks in these steps
   CHECK(std::count(chosen.begin(), chosen.end(), "digits") >= 1);
   m.load(path);
-  CHECK(same(weights_of(gen.models().policy), gen_at_save));
+  CHECK(unirl_test::all_equal(unirl_test::parameter_copies(gen.models().policy), gen_at_save));
   const auto [again, rewards_again] = run(4);
   CHECK(again == chosen);
   CHECK(rewards_again == rewards);
