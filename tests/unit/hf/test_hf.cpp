@@ -33,6 +33,8 @@
 #include <unirl/rollout/token_sampler.hpp>
 #include <unirl/trainer.hpp>
 
+#include "fixture_files.hpp"
+
 using namespace unirl;
 namespace hf = unirl::models::hf;
 namespace fs = std::filesystem;
@@ -52,30 +54,9 @@ double masked_max_diff(const torch::Tensor& a, const torch::Tensor& b, const tor
   return ((a.to(torch::kFloat) - b.to(torch::kFloat)).abs().amax(-1) * mask).max().item<double>();
 }
 
-struct temp_dir {
-  fs::path path;
-  temp_dir() {
-    std::mt19937_64 rng(std::random_device{}());
-    path = fs::temp_directory_path() / ("unirl_hf_" + std::to_string(rng()));
-    fs::create_directories(path);
-  }
-  ~temp_dir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-};
-
-// A copy of a fixture directory whose config.json is edited by `edit`.
-void copy_dir(const fs::path& from, const fs::path& to) {
-  fs::create_directories(to);
-  for (const auto& e : fs::directory_iterator(from)) fs::copy_file(e.path(), to / e.path().filename());
-}
-void edit_config(const fs::path& dir, const std::function<void(nlohmann::json&)>& edit) {
-  nlohmann::json j;
-  std::ifstream(dir / "config.json") >> j;
-  edit(j);
-  std::ofstream(dir / "config.json") << j.dump(2);
-}
+using unirl_test::copy_dir;
+using unirl_test::edit_config;
+using unirl_test::temp_dir;
 
 std::vector<std::pair<std::string, torch::Tensor>> as_list(const std::map<std::string, torch::Tensor>& m) {
   return {m.begin(), m.end()};

@@ -25,6 +25,8 @@
 #include <unirl/io/safetensors.hpp>
 #include <unirl/models/vision/llava.hpp>
 
+#include "fixture_files.hpp"
+
 using namespace unirl;
 namespace vision = unirl::models::vision;
 namespace hf = unirl::models::hf;
@@ -44,29 +46,9 @@ double max_diff(const torch::Tensor& a, const torch::Tensor& b) {
   return (a.to(torch::kDouble) - b.to(torch::kDouble)).abs().max().item<double>();
 }
 
-struct temp_dir {
-  fs::path path;
-  temp_dir() {
-    std::mt19937_64 rng(std::random_device{}());
-    path = fs::temp_directory_path() / ("unirl_vlm_" + std::to_string(rng()));
-    fs::create_directories(path);
-  }
-  ~temp_dir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-};
-
-void copy_dir(const fs::path& from, const fs::path& to) {
-  fs::create_directories(to);
-  for (const auto& e : fs::directory_iterator(from)) fs::copy_file(e.path(), to / e.path().filename());
-}
-void edit_config(const fs::path& dir, const std::function<void(nlohmann::json&)>& edit) {
-  nlohmann::json j;
-  std::ifstream(dir / "config.json") >> j;
-  edit(j);
-  std::ofstream(dir / "config.json") << j.dump(2);
-}
+using unirl_test::copy_dir;
+using unirl_test::edit_config;
+using unirl_test::temp_dir;
 nlohmann::json read_json(const fs::path& file) {
   nlohmann::json j;
   std::ifstream(file) >> j;

@@ -12,6 +12,7 @@
 /// Every error names the file and the key: a missing required key, a value of the wrong type or
 /// range, an architecture other than the four, and the features this implementation does not
 /// have (rope_scaling other than null, sliding-window attention, quantized weights, ...).
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <filesystem>
@@ -142,6 +143,13 @@ struct config_reader {
     UNIRL_CHECK(v->is_number_integer(), config_where(source, key), " = ", v->dump(), ": expected an integer or null");
     return v->get<std::int64_t>();
   }
+  // The keys of the object not read so far, with their values (a config's `extra`).
+  nlohmann::json unused() const {
+    nlohmann::json out = nlohmann::json::object();
+    for (auto it = j.begin(); it != j.end(); ++it)
+      if (std::find(used.begin(), used.end(), it.key()) == used.end()) out[it.key()] = it.value();
+    return out;
+  }
   // A key whose only supported value is its default: rejected (naming it) when set to anything else.
   void unsupported_unless(std::string_view key, const nlohmann::json& supported, std::string_view why) {
     const auto it = j.find(std::string(key));
@@ -250,11 +258,7 @@ inline decoder_config decoder_config::from_json(const nlohmann::json& j, const s
         UNIRL_CHECK(t == "full_attention", detail::config_where(source, "layer_types"), " = ", it->dump(),
                     ": unsupported (sliding-window attention is not supported); expected only \"full_attention\"");
   }
-  for (auto it = j.begin(); it != j.end(); ++it) {
-    bool used = false;
-    for (const auto& u : r.used) used = used || u == it.key();
-    if (!used) c.extra[it.key()] = it.value();
-  }
+  c.extra = r.unused();
   c.validate(source);
   return c;
 }

@@ -149,11 +149,7 @@ inline vision_config vision_config::from_json(const nlohmann::json& j, const std
   c.num_channels = r.integer("num_channels", c.num_channels);
   c.hidden_act = r.string("hidden_act", c.hidden_act);
   c.layer_norm_eps = r.number("layer_norm_eps", c.layer_norm_eps);
-  for (auto it = j.begin(); it != j.end(); ++it) {
-    bool used = false;
-    for (const auto& u : r.used) used = used || u == it.key();
-    if (!used) c.extra[it.key()] = it.value();
-  }
+  c.extra = r.unused();
   c.validate(source);
   return c;
 }
@@ -270,11 +266,7 @@ inline llava_config llava_config::from_json(const nlohmann::json& j, const std::
       hf::detail::config_where(source, "vision_feature_select_strategy"));
   c.projector_hidden_act = r.string("projector_hidden_act", "gelu");
   c.multimodal_projector_bias = r.boolean("multimodal_projector_bias", true);
-  for (auto it = j.begin(); it != j.end(); ++it) {
-    bool used = false;
-    for (const auto& u : r.used) used = used || u == it.key();
-    if (!used) c.extra[it.key()] = it.value();
-  }
+  c.extra = r.unused();
   c.validate(source);
   return c;
 }
