@@ -47,6 +47,8 @@
 #include <unirl/models/lora.hpp>
 #include <unirl/trainer.hpp>
 
+#include "bench_args.hpp"
+
 namespace hf = unirl::models::hf;
 
 namespace {
@@ -221,13 +223,7 @@ void BM_hf_grpo_memory(benchmark::State& state) {
   state.counters["peak_rss_MiB"] = peak_rss_mib();
 }
 
-std::vector<std::string> split(const std::string& s, char sep) {
-  std::vector<std::string> out;
-  std::stringstream in(s);
-  for (std::string x; std::getline(in, x, sep);)
-    if (!x.empty()) out.push_back(x);
-  return out;
-}
+using unirl_bench::split;
 
 }  // namespace
 

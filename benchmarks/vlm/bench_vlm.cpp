@@ -42,6 +42,8 @@
 #include <unirl/trainer.hpp>
 #include <unirl/vlm.hpp>
 
+#include "bench_args.hpp"
+
 namespace vlm = unirl::models::vlm;
 using small_vlm = vlm::vlm<unirl::models::gpt>;
 
@@ -172,13 +174,7 @@ void BM_vlm_memory(benchmark::State& state) {
   }
 }
 
-std::vector<std::string> split(const std::string& s, char sep) {
-  std::vector<std::string> out;
-  std::stringstream in(s);
-  for (std::string x; std::getline(in, x, sep);)
-    if (!x.empty()) out.push_back(x);
-  return out;
-}
+using unirl_bench::split;
 
 }  // namespace
 

@@ -22,6 +22,7 @@
 #include <unirl/models/gpt.hpp>
 #include <unirl/trainer.hpp>
 
+#include "config_errors.hpp"
 #include "weights.hpp"
 
 using namespace unirl;
@@ -435,25 +436,17 @@ TEST_CASE("multitask: a joint::chain is a task like any trainer, its chain_stats
 }
 
 TEST_CASE("multitask: bad options and inputs give errors naming the value", "[cpu][joint][multitask][errors]") {
-  const auto key_of = [](auto&& build) -> std::pair<std::string, std::string> {
-    try {
-      build();
-    } catch (const config_error& e) {
-      return {e.key(), e.what()};
-    }
-    return {"(nothing thrown)", ""};
-  };
   const std::vector<std::string> ab{"a", "b"};
   const std::vector<double> ones{1.0, 1.0};
-  auto [k1, w1] = key_of([&] { joint::task_scheduler s({.temperature = 0.0}, ab, ones); });
+  auto [k1, w1] = unirl_test::config_error_of([&] { joint::task_scheduler s({.temperature = 0.0}, ab, ones); });
   CHECK(k1 == "multitask.temperature");
   CHECK_THAT(w1, Catch::Contains("value 0") && Catch::Contains("> 0"));
-  auto [k2, w2] = key_of([&] { joint::task_scheduler s({.floor = 1.5}, ab, ones); });
+  auto [k2, w2] = unirl_test::config_error_of([&] { joint::task_scheduler s({.floor = 1.5}, ab, ones); });
   CHECK(k2 == "multitask.floor");
   CHECK_THAT(w2, Catch::Contains("1.5"));
-  auto [k3, w3] = key_of([&] { joint::task_scheduler s({.fast = 0.0}, ab, ones); });
+  auto [k3, w3] = unirl_test::config_error_of([&] { joint::task_scheduler s({.fast = 0.0}, ab, ones); });
   CHECK(k3 == "multitask.fast");
-  auto [k4, w4] = key_of([&] { joint::task_scheduler s({.slow = 2.0}, ab, ones); });
+  auto [k4, w4] = unirl_test::config_error_of([&] { joint::task_scheduler s({.slow = 2.0}, ab, ones); });
   CHECK(k4 == "multitask.slow");
   CHECK_THAT(w4, Catch::Contains("value 2"));
   // The options read from a recipe's text: an unknown weighting names the choices.

@@ -26,6 +26,8 @@
 #include <unirl/rollout/token_sampler.hpp>
 #include <unirl/trainer.hpp>
 
+#include "config_errors.hpp"
+
 using namespace unirl;
 
 namespace {
@@ -899,16 +901,8 @@ TEST_CASE("token_rollout::trimmed from the host lengths equals batch::trim from 
 TEST_CASE("trainer: settings that cannot work are rejected at construction, naming the option",
           "[cpu][token][errors]") {
   using grpo_t = trainer<models::gpt, algo::grpo<>, count_target>;
-  const auto key_of = [](auto&& build) -> std::pair<std::string, std::string> {
-    try {
-      build();
-    } catch (const config_error& e) {
-      return {e.key(), e.what()};
-    }
-    return {"(nothing thrown)", ""};
-  };
   // max_len = 16: 16 new tokens leave no room for a prompt; 15 do (a 1-token prompt fills 16).
-  auto [k1, w1] = key_of([] {
+  auto [k1, w1] = unirl_test::config_error_of([] {
     grpo_t t{small_gpt(8, 16), count_target{}, {.algorithm = {.sampling = {.max_new_tokens = 16}}, .progress = false}};
   });
   CHECK(k1 == "algorithm.sampling.max_new_tokens");
@@ -917,14 +911,14 @@ TEST_CASE("trainer: settings that cannot work are rejected at construction, nami
                        {.algorithm = {.sampling = {.max_new_tokens = 15}}, .progress = false}});
   // PPO on the token track keeps its sampling under algorithm.track
   using ppo_t = trainer<models::gpt, algo::ppo<>, count_target>;
-  auto [k2, w2] = key_of([] {
+  auto [k2, w2] = unirl_test::config_error_of([] {
     ppo_t t{small_gpt(8, 16), count_target{},
             {.algorithm = {.track = {.sampling = {.max_new_tokens = 20}}}, .group_size = 2, .progress = false}};
   });
   CHECK(k2 == "algorithm.track.sampling.max_new_tokens");
   CHECK_THAT(w2, Catch::Contains("value 20") && Catch::Contains("max_length() = 16"));
   // a stop token the model cannot produce (vocabulary of 8: ids 0..7)
-  auto [k3, w3] = key_of([] {
+  auto [k3, w3] = unirl_test::config_error_of([] {
     grpo_t t{small_gpt(8, 16), count_target{},
              {.algorithm = {.sampling = {.max_new_tokens = 4, .stop_tokens = {3, 8}}}, .progress = false}};
   });
@@ -932,7 +926,7 @@ TEST_CASE("trainer: settings that cannot work are rejected at construction, nami
   CHECK_THAT(w3, Catch::Contains("token id 8") && Catch::Contains("vocabulary of 8 tokens"));
   // a CUDA device this process does not have
   if (!torch::cuda::is_available() || torch::cuda::device_count() < 8) {
-    auto [k4, w4] = key_of([] {
+    auto [k4, w4] = unirl_test::config_error_of([] {
       grpo_t t{small_gpt(8, 16), count_target{},
                {.algorithm = {.sampling = {.max_new_tokens = 4}}, .device = "cuda:7", .progress = false}};
     });
@@ -940,7 +934,7 @@ TEST_CASE("trainer: settings that cannot work are rejected at construction, nami
     CHECK_THAT(w4, Catch::Contains("cuda:7") && Catch::Contains("CUDA device(s)"));
   }
   // an overlong buffer longer than the completions (the algorithm's own validation)
-  auto [k5, w5] = key_of([] {
+  auto [k5, w5] = unirl_test::config_error_of([] {
     grpo_t t{small_gpt(8, 16), count_target{},
              {.algorithm = {.overlong_buffer = 5, .sampling = {.max_new_tokens = 4}}, .progress = false}};
   });
