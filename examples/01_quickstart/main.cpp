@@ -115,10 +115,38 @@ unirl::train::sft_batch pretrain_batch(task& t, std::int64_t n) {
   }
   return unirl::train::make_sft_batch(prompts, answers, t.tok.pad_id());
 }
+
+// Stage 2's reward and trainer options, shared by the colocated run, the split mode and the
+// data-parallel mode (the options type does not depend on the parallel strategy).
+using reward_t = unirl::rewards::weighted<unirl::rewards::exact_answer, unirl::rewards::regex_format>;
+using trainer_t = unirl::trainer<unirl::models::gpt, unirl::algo::grpo<>, reward_t>;
+reward_t stage2_reward(const quickstart_options& o) {
+  return reward_t{{.weights = {1.0, o.format_weight}}, unirl::rewards::exact_answer{},
+                  unirl::rewards::regex_format{{.pattern = R"(\d{1,3})"}}};
+}
+trainer_t::options stage2_options(const quickstart_options& o, const task& t, const std::string& metrics_path,
+                                  bool progress = true) {
+  return {.algorithm = {.clip_high = 0.28,
+                        .agg = unirl::algo::loss_agg::token_mean,
+                        .advantage = o.advantage,
+                        .sampling = t.sampling(o.temperature)},
+          .optim = {.lr = o.rl_lr},
+          .schedule = {.kind = unirl::train::schedule_kind::cosine, .warmup_steps = 10, .min_lr_ratio = 0.1},
+          .group_size = o.group_size,
+          .seed = o.seed,
+          .metrics_path = metrics_path,
+          .progress = progress,
+          .total_steps = o.rl_steps};
+}
 }  // namespace
+
+#include "01_quickstart/split.hpp"  // mode=split: one learner, N samplers (uses the helpers above)
+#include "01_quickstart/data_parallel.hpp"  // data_parallel=true: stage 2 over c10d ranks
 
 int main(int argc, char** argv) try {
   quickstart_options o;
+  const auto split = examples::take_split_mode(argc, argv);  // mode=, max_staleness=: not quickstart_options
+  const auto dp_mode = quickstart_dp::take_options(argc, argv);  // data_parallel=, compression=, ...
   auto flags = unirl::options::parse_command_line(o, argc, argv, {{"out", "runs/quickstart"}, {"help", "false"}});
   if (flags["help"] == "true") {
     std::cout << "usage: quickstart [--out DIR] [key=value ...]\n" << unirl::options::to_string(o);
@@ -134,6 +162,7 @@ int main(int argc, char** argv) try {
   task t(o.max_operand, o.heldout, static_cast<std::uint64_t>(o.seed) * 7919 + 17);
   unirl::models::gpt model(unirl::models::gpt_options{
       .vocab_size = t.tok.vocab_size(), .max_len = 16, .n_layer = o.n_layer, .n_head = o.n_head, .d_model = o.d_model});
+  if (split.sampler()) return quickstart_split::sample(o, split, t, model);  // the weights come from rank 0
 
   // ---- stage 1: supervised pretraining into the accuracy band --------------------------------
   std::cout << "stage 1: pretraining a " << o.n_layer << "-layer, d=" << o.d_model
@@ -170,24 +199,13 @@ int main(int argc, char** argv) try {
             << " s: held-out accuracy " << 100 * acc_before << "%\n";
   if (acc_before > o.band_high)
     std::cout << "  (above the band: lower pretrain_lr or eval_every for a lower start)\n";
+  if (split.learner())
+    return quickstart_split::learn(o, split, t, model, out, {acc_before, pre_steps, pretrain_seconds, t_start});
+  if (dp_mode.on) return quickstart_dp::learn(dp_mode, o, t, model, out, {acc_before, pre_steps, pretrain_seconds, t_start});
 
   // ---- stage 2: GRPO with exact-answer + format reward --------------------------------------
-  using reward_t = unirl::rewards::weighted<unirl::rewards::exact_answer, unirl::rewards::regex_format>;
-  reward_t reward{{.weights = {1.0, o.format_weight}}, unirl::rewards::exact_answer{},
-                  unirl::rewards::regex_format{{.pattern = R"(\d{1,3})"}}};
-  using trainer_t = unirl::trainer<unirl::models::gpt, unirl::algo::grpo<>, reward_t>;
-  trainer_t trainer{model, reward,
-                    {.algorithm = {.clip_high = 0.28,
-                                   .agg = unirl::algo::loss_agg::token_mean,
-                                   .advantage = o.advantage,
-                                   .sampling = t.sampling(o.temperature)},
-                     .optim = {.lr = o.rl_lr},
-                     .schedule = {.kind = unirl::train::schedule_kind::cosine, .warmup_steps = 10, .min_lr_ratio = 0.1},
-                     .group_size = o.group_size,
-                     .seed = o.seed,
-                     .metrics_path = (std::filesystem::path(out) / "metrics.jsonl").string(),
-                     .progress = true,
-                     .total_steps = o.rl_steps}};
+  reward_t reward = stage2_reward(o);
+  trainer_t trainer{model, reward, stage2_options(o, t, (std::filesystem::path(out) / "metrics.jsonl").string())};
   std::cout << "stage 2: GRPO, " << o.prompts_per_step << " prompts x " << o.group_size << " samples per step, up to "
             << o.rl_steps << " steps / " << o.rl_seconds << " s\n";
   const auto t_rl = clock_type::now();

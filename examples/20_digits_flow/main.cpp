@@ -85,21 +85,19 @@ evaluation evaluate(flow_t& policy, flow_t& reference, class_confidence& reward,
   return e;
 }
 
-template <class Algo>
-int run(const std::string& name, const typename Algo::options& algo, const example_options& opt,
-        const std::string& root) {
-  const std::string out = root + "/" + name;
-  std::filesystem::create_directories(out);
-
-  // Data in [-1, 1], and a classifier trained on a fixed split (the reward and the Fréchet features).
-  auto setup = examples::prepare_digits(std::string(UNIRL_DATA_DIR) + "/digits.csv.gz");
-
-  // Pretraining: class-conditional flow matching, 10% unconditional for guidance, through the
-  // library's stage; its run directory in the output root is the cache (a finished run loads).
+/// The velocity network, initialised after the run's seed.
+unirl::models::mlp_velocity_net make_net(const example_options& opt) {
   torch::manual_seed(static_cast<std::uint64_t>(opt.seed));
-  unirl::models::mlp_velocity_net net(unirl::models::flow_net_options{
+  return unirl::models::mlp_velocity_net(unirl::models::flow_net_options{
       .shape = {1, 8, 8}, .num_classes = 10, .hidden = opt.hidden, .depth = 3, .embed_dim = 64});
-  const double pretrain_seconds = examples::pretrain_flow(
+}
+
+/// Pretraining: class-conditional flow matching, 10% unconditional for guidance, through the
+/// library's stage; its run directory in the output root is the cache (a finished run loads).
+/// Returns the seconds it took.
+double pretrain(unirl::models::mlp_velocity_net& net, const example_options& opt, const std::string& root,
+                const examples::digit_setup& setup) {
+  return examples::pretrain_flow(
       flow_t(net, {1, 8, 8}),
       {.objective = {.p_uncond = 0.1},
        .optim = {.lr = 1e-3},
@@ -112,6 +110,19 @@ int run(const std::string& name, const typename Algo::options& algo, const examp
         const auto idx = torch::randint(0, setup.images.size(0), {n}, torch::kInt64);
         return unirl::train::flow_matching_batch{setup.images.index_select(0, idx), setup.labels.index_select(0, idx)};
       });
+}
+
+template <class Algo>
+int run(const std::string& name, const typename Algo::options& algo, const example_options& opt,
+        const std::string& root) {
+  const std::string out = root + "/" + name;
+  std::filesystem::create_directories(out);
+
+  // Data in [-1, 1], and a classifier trained on a fixed split (the reward and the Fréchet features).
+  auto setup = examples::prepare_digits(std::string(UNIRL_DATA_DIR) + "/digits.csv.gz");
+
+  unirl::models::mlp_velocity_net net = make_net(opt);
+  const double pretrain_seconds = pretrain(net, opt, root, setup);
 
   using trainer_t = unirl::trainer<flow_t, Algo, class_confidence>;
   trainer_t t(flow_t(net, {1, 8, 8}), class_confidence{setup.clf},
@@ -145,13 +156,18 @@ int run(const std::string& name, const typename Algo::options& algo, const examp
 BOOST_HANA_ADAPT_STRUCT(example_options, steps, conditions, group_size, minibatches, sampler_steps, lr, kl_beta, multiplier,
                         dppo_trust_region, pretrain_iters, hidden, seed);
 
+#include "20_digits_flow/split.hpp"  // mode=split: one learner, N samplers (uses the helpers above)
+
 int main(int argc, char** argv) try {
   example_options opt;
+  const auto split = examples::take_split_mode(argc, argv);  // mode=, max_staleness=: not example_options
   // The algorithm is a type: each branch instantiates the whole pipeline for it.
   return examples::run_chosen_algorithm(
       opt, argc, argv, "runs/20_digits_flow", {.beta = 1.0},
       [&]<class Algo>(std::type_identity<Algo>, const std::string& name, const typename Algo::options& algo,
-                      const std::string& root) { return run<Algo>(name, algo, opt, root); });
+                      const std::string& root) {
+        return split.split ? digits_flow_split::run<Algo>(split, name, algo, opt, root) : run<Algo>(name, algo, opt, root);
+      });
 } catch (const std::exception& e) {
   std::cerr << e.what() << "\n";
   return 2;

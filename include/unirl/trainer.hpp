@@ -274,7 +274,16 @@ class trainer {
       if (t.requires_grad()) params_.push_back(t);
     }
     UNIRL_CHECK(!params_.empty(), "trainer: the model has no trainable parameters");
+    if constexpr (ShardedParallelStrategy<Parallel>) {
+      // Sharded optimizer state: the optimizer steps this rank's pieces only. The groups with
+      // their own clipping are taken from the full layout, so every rank clips the same groups.
+      const train::optimizer full(named, opts_.optim);  // the group layout only (no state yet)
+      for (std::size_t g = 0; g < full.group_count(); ++g)
+        if (full.group_max_grad_norm(g) > 0) shard_clip_groups_.emplace_back(full.group_name(g), full.group_max_grad_norm(g));
+      named = parallel_.owned_parameters(named);
+    }
     optimizer_ = std::make_unique<train::optimizer>(named, opts_.optim);
+    if constexpr (ShardedParallelStrategy<Parallel>) shards_ = optimizer_->parameters();
   }
 
   /// One iteration of the loop on `input` (prompts, conditions, an environment): sample and
@@ -843,13 +852,28 @@ class trainer {
         optimizer_->zero_grad();
         loss_terms terms = forward_backward(mb, info);  // terms.total detached; gradients in place
         parallel_.all_reduce_gradients(params_);
-        if (scaling_) scaler_.unscale(params_);
-        for (std::size_t g = 0; g < optimizer_->group_count(); ++g)
-          if (optimizer_->group_max_grad_norm(g) > 0)
-            train::clip_grads(optimizer_->group_params(g), train::grad_norm_tensor(optimizer_->group_params(g)),
-                              optimizer_->group_max_grad_norm(g));
-        const torch::Tensor norm = train::grad_norm_tensor(params_);
-        const torch::Tensor bad_grads = train::stability_guard::nonfinite_grads(params_);
+        // Under a sharding strategy only this rank's pieces (`shards_`) hold gradients now, and
+        // norms are the strategy's global ones.
+        constexpr bool sharded = ShardedParallelStrategy<Parallel>;
+        const std::vector<torch::Tensor>& live = sharded ? shards_ : params_;
+        if (scaling_) scaler_.unscale(live);
+        if constexpr (sharded) {
+          for (const auto& [name, max_norm] : shard_clip_groups_) {
+            std::vector<torch::Tensor> ps;  // this rank's pieces of the group (maybe none)
+            for (std::size_t g = 0; g < optimizer_->group_count(); ++g)
+              if (optimizer_->group_name(g) == name) ps = optimizer_->group_params(g);
+            train::clip_grads(ps, parallel_.grad_norm(ps), max_norm);
+          }
+        } else {
+          for (std::size_t g = 0; g < optimizer_->group_count(); ++g)
+            if (optimizer_->group_max_grad_norm(g) > 0)
+              train::clip_grads(optimizer_->group_params(g), train::grad_norm_tensor(optimizer_->group_params(g)),
+                                optimizer_->group_max_grad_norm(g));
+        }
+        torch::Tensor norm;
+        if constexpr (sharded) norm = parallel_.grad_norm(live);
+        else norm = train::grad_norm_tensor(live);
+        const torch::Tensor bad_grads = train::stability_guard::nonfinite_grads(live);
         const auto got = read({torch::isfinite(terms.total.detach()).all(),
                                bad_grads.defined() ? bad_grads : torch::zeros({}, torch::kBool),
                                terms.total.detach(), norm},
@@ -876,9 +900,10 @@ class trainer {
           continue;
         }
         if (scaling_) scaler_.update(true);
-        if (opts_.clip.max_grad_norm > 0) train::clip_grads(params_, norm, opts_.clip.max_grad_norm);
+        if (opts_.clip.max_grad_norm > 0) train::clip_grads(live, norm, opts_.clip.max_grad_norm);
         s.grad_spike = guard_.observe_grad_norm(gn) || s.grad_spike;
         optimizer_->step();
+        if constexpr (sharded) parallel_.after_optimizer_step(params_);  // the owners' new values everywhere
         if constexpr (requires(algorithm_type& a) { a.after_optimizer_step(models_); })
           algorithm_.after_optimizer_step(models_);
         ++u.taken;
@@ -998,6 +1023,8 @@ class trainer {
   train::stability_guard guard_;
   std::vector<torch::Tensor> params_;
   std::unique_ptr<train::optimizer> optimizer_;
+  std::vector<torch::Tensor> shards_;                               // ShardedParallelStrategy: the optimizer's pieces
+  std::vector<std::pair<std::string, double>> shard_clip_groups_;  // ... and the groups clipped on their own
   std::optional<train::metrics_writer> metrics_;
   std::optional<train::progress_line> progress_;
   std::int64_t step_ = 0;

@@ -16,6 +16,7 @@
 #include <unirl/parallel/colocated.hpp>
 #include <unirl/parallel/data_parallel.hpp>
 #include <unirl/parallel/rollout_worker.hpp>
+#include <unirl/parallel/zero.hpp>
 #include <unirl/rewards.hpp>
 #include <unirl/token.hpp>
 #include <unirl/train/flow_matching.hpp>
@@ -83,6 +84,19 @@ struct scalar_mean_only {
   double all_reduce_mean(double v) { return v; }
   bool all_agree(bool ok) { return ok; }
   void sync_weights(const std::vector<torch::Tensor>&) {}
+};
+// ShardedParallelStrategy: owned_parameters and grad_norm, but no after_optimizer_step (the
+// owners' new values would never reach the other ranks)
+struct never_gathers {
+  int rank() const { return 0; }
+  int world_size() const { return 1; }
+  void all_reduce_gradients(const std::vector<torch::Tensor>&) {}
+  void broadcast(const std::vector<torch::Tensor>&, int) {}
+  torch::Tensor all_reduce_mean(const torch::Tensor& v) { return v; }
+  bool all_agree(bool ok) { return ok; }
+  void sync_weights(const std::vector<torch::Tensor>&) {}
+  named_tensors owned_parameters(const named_tensors& p) { return p; }
+  torch::Tensor grad_norm(const std::vector<torch::Tensor>&) { return {}; }
 };
 // GroupAdvantageEstimator
 struct double_estimator {
@@ -217,6 +231,11 @@ static_assert(rewards::HasCompletionLengths<token_rollout> && !rewards::HasCompl
 static_assert(ParallelStrategy<parallel::single_device> && ParallelStrategy<parallel::data_parallel<parallel::gloo>>);
 static_assert(ParallelStrategy<par::single_device>);  // the former namespace name still works
 static_assert(!ParallelStrategy<near_miss::scalar_mean_only> && !ParallelStrategy<int>);
+// ShardedParallelStrategy: zero shards the optimizer state; plain data parallelism does not
+static_assert(ParallelStrategy<parallel::zero<parallel::gloo>> && ShardedParallelStrategy<parallel::zero<parallel::gloo>>);
+static_assert(!ShardedParallelStrategy<parallel::data_parallel<parallel::gloo>> &&
+              !ShardedParallelStrategy<parallel::single_device>);
+static_assert(ParallelStrategy<near_miss::never_gathers> && !ShardedParallelStrategy<near_miss::never_gathers>);
 
 // GroupAdvantageEstimator
 static_assert(GroupAdvantageEstimator<algo::group_normalized> && GroupAdvantageEstimator<algo::dr_grpo> &&

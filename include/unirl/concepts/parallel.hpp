@@ -6,6 +6,8 @@
 
 #include <torch/torch.h>
 
+#include <unirl/concepts/model.hpp>
+
 namespace unirl {
 
 /// A parallelism strategy.
@@ -21,6 +23,17 @@ namespace unirl {
 /// - `void sync_weights(const std::vector<torch::Tensor>& params)` — learner to rollout workers.
 /// Optional: `torch::Tensor all_reduce_max(const torch::Tensor& values)` (element-wise maximum;
 /// the trainer then reports the reward range over all ranks, else rank 0's own).
+/// Optional, all three together (`ShardedParallelStrategy`: the optimizer state is sharded over
+/// the ranks, as `parallel::zero` does):
+/// - `named_tensors owned_parameters(const named_tensors& params)` — the tensors this rank's
+///   optimizer steps (pieces of `params`, e.g. 1-D views into their storage, under the
+///   parameters' names); the trainer calls it once and builds its optimizer over them;
+/// - `torch::Tensor grad_norm(const std::vector<torch::Tensor>& params)` — the global L2 norm of
+///   the gradients of `params` when each rank passes its own pieces (a collective: the trainer
+///   calls it for the clipping norm and for every group with its own `max_grad_norm`, the same
+///   number of times on every rank); after `all_reduce_gradients` only the pieces hold gradients;
+/// - `void after_optimizer_step(const std::vector<torch::Tensor>& params)` — after the optimizer
+///   stepped the pieces: brings every rank the owners' new values of `params`.
 template <class P>
 concept ParallelStrategy = requires(P& p, const P& cp, const std::vector<torch::Tensor>& ts, const torch::Tensor& v,
                                     bool b) {
@@ -31,6 +44,15 @@ concept ParallelStrategy = requires(P& p, const P& cp, const std::vector<torch::
   { p.all_reduce_mean(v) } -> std::same_as<torch::Tensor>;
   { p.all_agree(b) } -> std::convertible_to<bool>;
   p.sync_weights(ts);
+};
+
+/// A `ParallelStrategy` that shards the optimizer state (see the optional members above).
+template <class P>
+concept ShardedParallelStrategy = ParallelStrategy<P> && requires(P& p, const named_tensors& named,
+                                                                  const std::vector<torch::Tensor>& ts) {
+  { p.owned_parameters(named) } -> std::convertible_to<named_tensors>;
+  { p.grad_norm(ts) } -> std::same_as<torch::Tensor>;
+  p.after_optimizer_step(ts);
 };
 
 }  // namespace unirl

@@ -15,15 +15,22 @@
 /// tensors; available when LibTorch was built with NCCL, `UNIRL_WITH_NCCL` defined). The step
 /// statistics are averaged over ranks (`all_reduce_mean`), the reward range taken over all of
 /// them (`all_reduce_max`). `unirl::par` is the former name of the namespace, kept as an alias.
+///
+/// Gradient compression: `data_parallel_options{.compression = gradient_compression::powersgd,
+/// .powersgd = {.rank = 2, .start_iter = 10}}` as the third argument (or the second of
+/// `from_environment`) averages the gradients with PowerSGD and error feedback
+/// (parallel/powersgd.hpp). Sharded optimizer state (ZeRO-1 / ZeRO-2): parallel/zero.hpp.
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstdlib>
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <utility>
 #include <vector>
 
+#include <boost/hana.hpp>
 #include <torch/torch.h>
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
@@ -35,6 +42,8 @@
 #include <unirl/concepts/parallel.hpp>
 #include <unirl/core/error.hpp>
 #include <unirl/core/host.hpp>
+#include <unirl/core/options.hpp>
+#include <unirl/parallel/powersgd.hpp>
 
 namespace unirl::parallel {
 
@@ -48,6 +57,35 @@ struct rendezvous {
   std::chrono::milliseconds timeout{std::chrono::minutes(5)};
   std::int64_t broadcast_every = 0;  // > 0: re-broadcast rank 0's weights every N syncs
 };
+
+/// How a `data_parallel` strategy averages gradients.
+struct data_parallel_options {
+  gradient_compression compression = gradient_compression::none;  // none | powersgd
+  powersgd_options powersgd{};                                    // used with compression = powersgd
+
+  void validate(const std::string& prefix) const { powersgd.validate(prefix + "powersgd."); }
+};
+
+/// torchrun's variables for a process of `who` (e.g. "data_parallel"): MASTER_ADDR and
+/// MASTER_PORT into `r` (kept when unset); returns {RANK, WORLD_SIZE} ({0, 1} when unset). A
+/// value that is not a whole integer is an error naming `who`, the variable and its text.
+inline std::pair<int, int> read_launch_environment(const char* who, rendezvous& r) {
+  auto parse = [who](const char* name, const std::string& fallback) {
+    const char* v = std::getenv(name);
+    const std::string text = v ? v : fallback;
+    try {
+      std::size_t used = 0;
+      const int x = std::stoi(text, &used);
+      if (used == text.size()) return x;
+    } catch (const std::exception&) {
+    }
+    throw ::unirl::error(
+        ::unirl::detail::concat("unirl: ", who, ": environment variable ", name, " = '", text, "' is not an integer"));
+  };
+  if (const char* a = std::getenv("MASTER_ADDR")) r.host = a;
+  r.port = parse("MASTER_PORT", std::to_string(r.port));
+  return {parse("RANK", "0"), parse("WORLD_SIZE", "1")};
+}
 
 /// The store the ranks of `r` meet at: a FileStore at `r.file_path`, or a TCPStore at `r.host`,
 /// `r.port` served by rank 0 (every wait bounded by `r.timeout`).
@@ -93,40 +131,52 @@ class data_parallel {
                 "unirl::parallel::data_parallel: Backend must provide static create(store, rank, world_size, rendezvous)");
 
  public:
-  data_parallel(int rank, int world_size, rendezvous r = {}) : rank_(rank), world_size_(world_size), r_(std::move(r)) {
+  data_parallel(int rank, int world_size, rendezvous r = {}, data_parallel_options o = {})
+      : rank_(rank), world_size_(world_size), r_(std::move(r)), o_(std::move(o)) {
     UNIRL_CHECK(world_size >= 1, "data_parallel: world_size = ", world_size, ": expected >= 1");
     UNIRL_CHECK(rank >= 0 && rank < world_size, "data_parallel: rank = ", rank, ": expected in [0, ", world_size, ")");
+    o_.validate("data_parallel.");
+    if (o_.compression == gradient_compression::powersgd) compressor_.emplace(o_.powersgd);
     const c10::intrusive_ptr<c10d::Store> store = make_store(r_, rank, world_size);
     group_ = Backend::create(store, rank, world_size, r_);
   }
 
+  /// A group on a store opened elsewhere — e.g. the learners of a `deployment` with several
+  /// learner ranks, on the deployment's store under a `c10d::PrefixStore` of their own. `rank`
+  /// and `world_size` are this group's; `r`'s host, port and file are not used (its timeout,
+  /// Gloo interface and `broadcast_every` are).
+  data_parallel(c10::intrusive_ptr<c10d::Store> store, int rank, int world_size, rendezvous r = {},
+                data_parallel_options o = {})
+      : rank_(rank), world_size_(world_size), r_(std::move(r)), o_(std::move(o)) {
+    UNIRL_CHECK(store, "data_parallel: store is null: expected an open c10d store");
+    UNIRL_CHECK(world_size >= 1, "data_parallel: world_size = ", world_size, ": expected >= 1");
+    UNIRL_CHECK(rank >= 0 && rank < world_size, "data_parallel: rank = ", rank, ": expected in [0, ", world_size, ")");
+    o_.validate("data_parallel.");
+    if (o_.compression == gradient_compression::powersgd) compressor_.emplace(o_.powersgd);
+    group_ = Backend::create(store, rank, world_size, r_);
+  }
+
   /// Reads RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT (the variables torchrun sets).
-  static data_parallel from_environment(rendezvous r = {}) {
-    auto get = [](const char* name, const char* fallback) -> std::string {
-      const char* v = std::getenv(name);
-      return v ? v : fallback;
-    };
-    const auto parse = [&](const char* name, const char* fallback) {
-      const std::string text = get(name, fallback);
-      try {
-        return std::stoi(text);
-      } catch (const std::exception&) {
-        throw error(detail::concat("unirl: data_parallel: environment variable ", name, " = '", text,
-                                   "' is not an integer"));
-      }
-    };
-    r.host = get("MASTER_ADDR", r.host.c_str());
-    r.port = parse("MASTER_PORT", std::to_string(r.port).c_str());
-    return data_parallel(parse("RANK", "0"), parse("WORLD_SIZE", "1"), std::move(r));
+  static data_parallel from_environment(rendezvous r = {}, data_parallel_options o = {}) {
+    const auto [rank, world] = read_launch_environment("data_parallel", r);
+    return data_parallel(rank, world, std::move(r), std::move(o));
   }
 
   int rank() const { return rank_; }
   int world_size() const { return world_size_; }
 
   /// Averages `.grad()` over ranks: one flat buffer, one all-reduce. A parameter without a
-  /// gradient contributes zeros (every rank must hold the same parameter list).
+  /// gradient contributes zeros (every rank must hold the same parameter list). With
+  /// `compression = powersgd` (from its `start_iter`-th call on): PowerSGD's approximate mean.
   void all_reduce_gradients(const std::vector<torch::Tensor>& params) {
     if (world_size_ == 1 || params.empty()) return;
+    if (compressor_) {
+      compressor_->reduce(params, world_size_, [this](torch::Tensor& flat) {
+        std::vector<torch::Tensor> t{flat};
+        group_->allreduce(t)->wait();
+      });
+      return;
+    }
     std::vector<torch::Tensor> grads;
     grads.reserve(params.size());
     for (const auto& p : params)
@@ -216,6 +266,13 @@ class data_parallel {
   /// Blocks until every rank arrives.
   void barrier() { group_->barrier()->wait(); }
 
+  /// The options this strategy was made with.
+  const data_parallel_options& settings() const { return o_; }
+  /// The PowerSGD state (error feedback, warm-start factors); null without compression.
+  const powersgd* compressor() const { return compressor_ ? &*compressor_ : nullptr; }
+  /// The c10d process group (for strategies built on this one, e.g. `parallel::zero`).
+  auto& process_group() { return *group_; }
+
  private:
   torch::Device device() const {
 #if defined(UNIRL_WITH_NCCL)
@@ -228,6 +285,8 @@ class data_parallel {
   int rank_ = 0;
   int world_size_ = 1;
   rendezvous r_;
+  data_parallel_options o_{};
+  std::optional<powersgd> compressor_{};
   std::int64_t syncs_ = 0;
   using group_ptr = decltype(Backend::create(std::declval<const c10::intrusive_ptr<c10d::Store>&>(), 0, 0,
                                             std::declval<const rendezvous&>()));
@@ -240,5 +299,7 @@ namespace unirl {
 /// The former name of `unirl::parallel`, kept so that existing code compiles.
 namespace par = parallel;
 }  // namespace unirl
+
+BOOST_HANA_ADAPT_STRUCT(unirl::parallel::data_parallel_options, compression, powersgd);
 
 static_assert(unirl::ParallelStrategy<unirl::parallel::data_parallel<unirl::parallel::gloo>>);

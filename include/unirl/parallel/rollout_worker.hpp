@@ -24,8 +24,15 @@
 /// the worker samples with the newest weights it has without waiting; the learner takes the next
 /// batch no older than `max_staleness` versions and trains on it against its behaviour
 /// log-probs (`trainer::learn` with the staleness).
+///
+/// `worker_options::overlap_scoring` (asynchronous mode): batch k is scored on another thread (or
+/// by `submit` on a reward that has one, e.g. `rewards::remote_scorer`) while the worker fetches
+/// weights and samples batch k+1; batch k is pushed, with its own `policy_version`, once batch k+1
+/// is sampled (pushes stay in order; `flush` pushes the last one). Synchronous mode scores in line
+/// whatever the option says: the next batch needs the weights trained on this one's rewards.
 #include <algorithm>
 #include <cstdint>
+#include <future>
 #include <map>
 #include <optional>
 #include <string>
@@ -45,6 +52,7 @@
 #include <unirl/core/options.hpp>
 #include <unirl/core/precision.hpp>
 #include <unirl/core/stats.hpp>
+#include <unirl/rewards/scorer.hpp>
 
 namespace unirl::parallel {
 
@@ -56,6 +64,19 @@ std::vector<torch::Tensor> policy_state(const M& m) {
   for (auto& [n, t] : m.named_buffers()) out.push_back(t);
   return out;
 }
+
+/// Settings of `rollout_worker` that are not the trainer's (docs/parallel.md, "Reward overlap and
+/// reward ranks").
+struct worker_options {
+  /// Asynchronous mode (`max_staleness() > 0`): score batch k while sampling batch k+1. The
+  /// reward then runs on another thread (with no autograd and the trainer's precision, as in
+  /// line); it must not be called from elsewhere meanwhile. Ignored in synchronous mode.
+  bool overlap_scoring = false;
+};
+
+}  // namespace unirl::parallel
+BOOST_HANA_ADAPT_STRUCT(unirl::parallel::worker_options, overlap_scoring);
+namespace unirl::parallel {
 
 /// The sampling side: `Sampler` is the algorithm (or family) whose `sample` draws the batches —
 /// the learner's trainer uses the same one, with the same `trainer_options`.
@@ -84,10 +105,11 @@ class rollout_worker {
       torch::Device(o.device);
       { o.precision } -> std::convertible_to<::unirl::precision>;
     }
-  rollout_worker(Model model, Reward reward, const TrainerOptions& opts, Transport& transport, std::int64_t stream = 0)
+  rollout_worker(Model model, Reward reward, const TrainerOptions& opts, Transport& transport, std::int64_t stream = 0,
+                 worker_options wo = {})
       : device_(opts.device), models_{std::move(model)}, reward_(std::move(reward)), algorithm_(opts.algorithm),
         transport_(&transport), group_size_(opts.group_size), updates_(opts.epochs * opts.minibatches),
-        logprob_chunk_(opts.memory.logprob_chunk), precision_(opts.precision) {
+        logprob_chunk_(opts.memory.logprob_chunk), precision_(opts.precision), wo_(wo) {
     ::unirl::options::validate(opts);
     UNIRL_CHECK(stream >= 0, "rollout_worker: stream = ", stream, ": expected >= 0");
     torch::manual_seed(static_cast<std::uint64_t>(opts.seed + stream));
@@ -95,14 +117,22 @@ class rollout_worker {
     weights_ = policy_state(models_.policy);
   }
 
+  rollout_worker(rollout_worker&&) = delete;  // a scoring in flight refers to this worker's reward
+
   /// Fetches newer weights (synchronous: waits for the version after the last one used), samples
   /// one batch from `input`, scores it and pushes it. False when the learner has finished.
+  /// With `overlap_scoring` in asynchronous mode it starts scoring the new batch and, before
+  /// that, pushes the previous one (waiting for its scores): the scoring of batch k runs during
+  /// the fetch and sampling of batch k+1.
   template <class Input>
     requires SamplesFrom<Sampler, Model, std::remove_reference_t<Input>>
   bool run_once(Input&& input) {
     const bool sync = transport_->max_staleness() == 0;
     const std::int64_t v = transport_->fetch(weights_, version_, version_ < 0 ? 0 : version_ + (sync ? 1 : 0));
-    if (v < 0) return false;
+    if (v < 0) {
+      discard_pending();
+      return false;
+    }
     version_ = v;
     make_reference();
     std::map<std::string, double> extra;
@@ -117,23 +147,81 @@ class rollout_worker {
       autocast_scope amp(device_, precision_);
       models_.policy.train(false);
       out.batch = algorithm_.sample(models_, input, info);
-      out.rewards = reward_(out.batch);
+      if (!overlapping()) out.rewards = reward_(out.batch);
     }
-    UNIRL_CHECK(out.rewards.defined() && out.rewards.dim() == 1 && out.rewards.size(0) == out.batch.size(),
-                "rollout_worker: reward returned ", out.rewards.defined() ? out.rewards.sizes() : c10::IntArrayRef{},
-                "; expected (", out.batch.size(), ",), one score per sample");
     out.policy_version = version_;
     ++batches_;
+    if (!overlapping()) {
+      check_rewards(out);
+      return transport_->push(std::move(out));
+    }
+    if (!flush()) return false;  // batch k-1: scored while batch k was sampled
+    pending_ = std::move(out);
+    if constexpr (requires(Reward& r, const rollout_type& b) {
+                    { r.submit(b) } -> std::same_as<std::future<torch::Tensor>>;
+                  })
+      scoring_ = reward_.submit(pending_->batch);  // e.g. rewards::remote_scorer: its own request threads
+    else
+      scoring_ = ::unirl::rewards::score_async(in_line_, pending_->batch);
+    return true;
+  }
+
+  /// Pushes the batch whose scoring is in flight (`overlap_scoring`), waiting for its scores; true
+  /// when there was none. Call it after the last `run_once` so the last batch is not lost. False
+  /// when the learner has finished; rethrows the reward's error.
+  bool flush() {
+    if (!pending_) return true;
+    auto out = std::move(*pending_);
+    pending_.reset();
+    out.rewards = scoring_.get();
+    check_rewards(out);
     return transport_->push(std::move(out));
   }
+
+  /// True while a batch's scoring is in flight (`overlap_scoring`, asynchronous mode).
+  bool scoring() const { return pending_.has_value(); }
 
   /// The version of the weights the last batch was drawn with (-1 before the first).
   std::int64_t version() const { return version_; }
   std::int64_t batches() const { return batches_; }
   model_set<Model>& models() { return models_; }
   Reward& reward() { return reward_; }
+  const worker_options& settings() const { return wo_; }
+
+  ~rollout_worker() { discard_pending(); }
 
  private:
+  bool overlapping() const { return wo_.overlap_scoring && transport_->max_staleness() > 0; }
+
+  void check_rewards(const versioned_batch<rollout_type>& out) const {
+    UNIRL_CHECK(out.rewards.defined() && out.rewards.dim() == 1 && out.rewards.size(0) == out.batch.size(),
+                "rollout_worker: reward returned ", out.rewards.defined() ? out.rewards.sizes() : c10::IntArrayRef{},
+                "; expected (", out.batch.size(), ",), one score per sample");
+  }
+
+  // The learner has finished (or the worker goes away): the scores are not needed, but the reward
+  // must not be running when the worker is destroyed; its error, if any, is moot.
+  void discard_pending() noexcept {
+    if (!pending_) return;
+    try {
+      if (scoring_.valid()) scoring_.wait();
+    } catch (...) {
+    }
+    pending_.reset();
+    scoring_ = {};
+  }
+
+  // The reward as `run_once` calls it in line, for a scoring thread: no autograd, the trainer's
+  // precision (both are per thread in LibTorch).
+  struct in_line_scorer {
+    rollout_worker* w;
+    torch::Tensor operator()(const rollout_type& b) const {
+      torch::NoGradGuard no_grad;
+      autocast_scope amp(w->device_, w->precision_);
+      return w->reward_(b);
+    }
+  };
+
   // The reference is the learner's initial policy: copied once the first weights arrived.
   void make_reference() {
     if constexpr (algorithm_type::requires_reference) {
@@ -156,8 +244,12 @@ class rollout_worker {
   Transport* transport_;
   std::int64_t group_size_, updates_, logprob_chunk_;
   ::unirl::precision precision_;
+  worker_options wo_;
   std::vector<torch::Tensor> weights_;
   std::int64_t version_ = -1, batches_ = 0;
+  in_line_scorer in_line_{this};
+  std::optional<versioned_batch<rollout_type>> pending_;  // sampled, being scored (overlap_scoring)
+  std::future<torch::Tensor> scoring_;
 };
 
 /// The learning side: wraps a trainer and a transport; version 0 is the trainer's initial
@@ -174,14 +266,19 @@ class learner {
 
   /// Pops `parts` batches (synchronous: one per sampler; they are concatenated), learns from them
   /// with their staleness (the oldest part's), publishes the next version. nullopt when the
-  /// samplers have stopped. The statistics carry `extra["staleness"]`.
+  /// samplers have stopped. The statistics carry `extra["staleness"]`, and with a transport that
+  /// counts lost samplers (`c10d_transport`, `sampler_loss::carry_on`) `extra["samplers_lost"]`:
+  /// after a loss a synchronous step learns from the batches of the live samplers (fewer parts).
   std::optional<step_stats> step(std::int64_t parts = 1) {
     UNIRL_CHECK(parts >= 1, "learner::step: parts = ", parts, ": expected >= 1");
     using R = typename Trainer::rollout_type;
     std::vector<versioned_batch<R>> got;
     for (std::int64_t i = 0; i < parts; ++i) {
       auto b = tr_->pop(version_);
-      if (!b) return std::nullopt;
+      if (!b) {
+        if (got.empty() || lost() == 0) return std::nullopt;
+        break;  // a sampler was lost: the live ones delivered theirs
+      }
       got.push_back(std::move(*b));
     }
     // In the samplers' order, whatever order they arrived in: the gathered batch is reproducible.
@@ -202,6 +299,8 @@ class learner {
       else UNIRL_CHECK(false, "learner::step: parts = ", parts, ": gathering needs a reflected batch (core/batch.hpp)");
     }
     step_stats s = t_->learn(std::move(batch), torch::cat(rewards), version_ - oldest);
+    if constexpr (requires(const Transport& x) { x.samplers_lost(); })
+      s.extra["samplers_lost"] = static_cast<double>(tr_->samplers_lost());
     tr_->publish(weights_, ++version_);
     return s;
   }
@@ -215,6 +314,11 @@ class learner {
   std::int64_t version() const { return version_; }
 
  private:
+  std::int64_t lost() const {
+    if constexpr (requires(const Transport& x) { x.samplers_lost(); }) return tr_->samplers_lost();
+    else return 0;
+  }
+
   Trainer* t_;
   Transport* tr_;
   std::vector<torch::Tensor> weights_;

@@ -5,10 +5,19 @@
 // variables instead (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; a TCPStore):
 //   dp_worker split_sync|split_async|sync_bench env env <unused> <out-prefix>
 //   dp_worker colocated 0 1 <unused> <out-prefix>   (the one-process reference of split_sync)
+//   dp_worker overlap 0 1 <unused> <out-prefix>     (reward scoring overlapped with sampling, one process)
+//   dp_worker split_reward_rank env env <unused> <out-prefix>   (learner, sampler, reward rank)
+//   dp_worker fault_sampler_continue|fault_sampler_stop|fault_learner env env tcp|<store-file> <out-prefix>
+//   dp_worker split_learners|split_learners_file env env <store-file> <out-prefix>   (two learners,
+//                                      two samplers; a TCPStore, or a FileStore at <store-file>)
+//   dp_worker split_learners_ref <rank> 2 <store-file> <out-prefix>  (its colocated reference)
 #include <chrono>
+#include <csignal>
 #include <cmath>
 #include <cstdlib>
 #include <fstream>
+#include <future>
+#include <memory>
 #include <thread>
 #include <iostream>
 #include <limits>
@@ -19,11 +28,13 @@
 #include <unirl/parallel/c10d_transport.hpp>
 #include <unirl/parallel/colocated.hpp>
 #include <unirl/parallel/data_parallel.hpp>
+#include <unirl/parallel/reward_ranks.hpp>
 #include <unirl/parallel/rollout_worker.hpp>
 #include <unirl/trainer.hpp>
 
 #include "common/bandit.hpp"
 #include "common/digits.hpp"
+#include "zero_modes.hpp"  // zero_train*, zero_resume*, zero_direct*, powersgd
 
 // The bandit's batch, reflected here so that the c10d transport can carry it (core/batch.hpp).
 BOOST_HANA_ADAPT_STRUCT(bandit::rollout, contexts, labels, actions, old_logp, advantages);
@@ -346,6 +357,372 @@ nlohmann::json sync_bench() {
   return {{"last", have}, {"value", w[0][0].item<double>()}};
 }
 
+// ---- reward overlap and reward ranks (worker_options::overlap_scoring, parallel/reward_ranks.hpp) ----
+
+// A bandit batch as the reward service sees it: its actions and labels as tensors.
+unirl::rewards::json_batch as_json(const bandit::rollout& b) {
+  unirl::rewards::json_batch j;
+  j.count = b.size();
+  j.tensors["actions"] = b.actions;
+  j.tensors["labels"] = b.labels;
+  return j;
+}
+
+// The service side of bandit::correct_label: the same rule on the request's tensors.
+struct json_correct_label {
+  torch::Tensor operator()(const unirl::rewards::json_batch& b) const {
+    UNIRL_CHECK(b.tensors.count("actions") && b.tensors.count("labels"), "json_correct_label: the request has no ",
+                "'actions' / 'labels' tensors; expected both");
+    return (b.tensors.at("actions") == b.tensors.at("labels")).to(torch::kFloat32);
+  }
+};
+
+// The sampler side: a remote_scorer for bandit batches. `submit` is what an overlapping worker calls.
+struct bandit_remote {
+  std::shared_ptr<unirl::rewards::remote_scorer> remote;
+  std::shared_ptr<std::int64_t> submits = std::make_shared<std::int64_t>(0);
+  std::future<torch::Tensor> submit(const bandit::rollout& b) {
+    ++*submits;
+    return remote->submit(as_json(b));
+  }
+  torch::Tensor operator()(const bandit::rollout& b) { return (*remote)(as_json(b)); }
+};
+
+// bandit::correct_label after `delay`, noting for each call whether it ran on another thread than
+// the one that made the reward.
+struct slow_label {
+  std::chrono::milliseconds delay{0};
+  std::thread::id maker = std::this_thread::get_id();
+  std::shared_ptr<std::vector<bool>> other_thread = std::make_shared<std::vector<bool>>();
+  torch::Tensor operator()(const bandit::rollout& b) const {
+    if (delay.count() > 0) std::this_thread::sleep_for(delay);
+    other_thread->push_back(std::this_thread::get_id() != maker);
+    return bandit::correct_label{}(b);
+  }
+};
+
+std::vector<double> values_of(const torch::Tensor& t) {
+  const auto c = t.detach().reshape({-1}).to(torch::kFloat64).contiguous();
+  return {c.data_ptr<double>(), c.data_ptr<double>() + c.numel()};
+}
+
+// One asynchronous worker (colocated transport, max_staleness 10) under a fixed schedule: publish
+// version 0, batch 0, publish 1, batches 1 and 2, publish 2, batch 3, flush. Returns what it
+// pushed, in order, and how long each run_once took.
+template <class Reward>
+nlohmann::json async_schedule(const examples::digits& d, Reward reward, bool overlap) {
+  using tr_t = unirl::parallel::colocated_transport<bandit::rollout>;
+  tr_t tr({.max_staleness = 10});
+  torch::manual_seed(50);
+  bandit::model published{bandit::policy_net(32)};
+  auto weights = unirl::parallel::policy_state(published);
+  unirl::parallel::rollout_worker<bandit::model, bandit::policy_gradient, Reward, tr_t> w(
+      bandit::model{bandit::policy_net(32)}, std::move(reward), split_options(), tr, 0, {.overlap_scoring = overlap});
+  auto next_version = [&](std::int64_t v) {
+    torch::NoGradGuard no_grad;
+    for (auto& t : weights) t.mul_(-1.5).add_(0.01 * static_cast<double>(v));  // deterministic: no RNG draws
+    tr.publish(weights, v);
+  };
+  nlohmann::json ms = nlohmann::json::array(), batches = nlohmann::json::array(), scoring = nlohmann::json::array();
+  auto timed = [&](std::int64_t j) {
+    const auto t0 = std::chrono::steady_clock::now();
+    if (!w.run_once(input_for(d, j, 0))) throw std::runtime_error("async_schedule: the worker stopped");
+    ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+    scoring.push_back(w.scoring());
+  };
+  tr.publish(weights, 0);
+  timed(0);
+  next_version(1);
+  timed(1);
+  timed(2);
+  next_version(2);
+  timed(3);
+  if (!w.flush()) throw std::runtime_error("async_schedule: flush failed");
+  while (auto b = tr.pop(0))
+    batches.push_back({{"version", b->policy_version}, {"actions", values_of(b->batch.actions)},
+                       {"old_logp", values_of(b->batch.old_logp)}, {"rewards", values_of(b->rewards)}});
+  return {{"batches", batches}, {"ms", ms}, {"scoring", scoring}};
+}
+
+// Overlap in one process: the same pushed batches with and without overlap (a local reward and a
+// reward served over HTTP by rewards::reward_server), the run_once times with a slow reward, and
+// the synchronous mode (overlap ignored) against trainer.step.
+nlohmann::json overlap() {
+  const auto digits = examples::load_digits(std::string(UNIRL_TEST_DATA_DIR) + "/digits.csv.gz");
+  nlohmann::json out;
+  slow_label plain_r, overlap_r;
+  out["plain"] = async_schedule(digits, plain_r, false);
+  out["overlap"] = async_schedule(digits, overlap_r, true);
+  out["plain_other_thread"] = *plain_r.other_thread;
+  out["overlap_other_thread"] = *overlap_r.other_thread;
+  out["slow_plain"] = async_schedule(digits, slow_label{.delay = std::chrono::milliseconds(300)}, false)["ms"];
+  out["slow_overlap"] = async_schedule(digits, slow_label{.delay = std::chrono::milliseconds(300)}, true)["ms"];
+
+  unirl::rewards::reward_server server(json_correct_label{}, {.port = 0, .threads = 2});
+  server.start();
+  bandit_remote remote{std::make_shared<unirl::rewards::remote_scorer>(
+      unirl::rewards::remote_options{.url = server.url(), .timeout_s = 10, .retries = 0})};
+  out["remote"] = async_schedule(digits, remote, true);
+  out["remote_submits"] = *remote.submits;
+  out["remote_served"] = server.served();
+  server.stop();
+
+  // Synchronous (max_staleness 0): the option changes nothing; the same training as trainer.step.
+  torch::manual_seed(50);
+  split_trainer plain(bandit::model{bandit::policy_net(32)}, {}, split_options());
+  for (std::int64_t j = 0; j < split_steps; ++j) plain.step(input_for(digits, j, 0));
+  torch::manual_seed(50);
+  split_trainer t(bandit::model{bandit::policy_net(32)}, {}, split_options());
+  using tr_t = unirl::parallel::colocated_transport<bandit::rollout>;
+  tr_t tr;
+  slow_label sync_r;
+  unirl::parallel::rollout_worker<bandit::model, bandit::policy_gradient, slow_label, tr_t> w(
+      bandit::model{bandit::policy_net(32)}, sync_r, split_options(), tr, 0, {.overlap_scoring = true});
+  unirl::parallel::learner l(t, tr);
+  for (std::int64_t j = 0; j < split_steps; ++j) {
+    if (!w.run_once(input_for(digits, j, 0))) throw std::runtime_error("overlap: the sync worker stopped");
+    l.step();
+  }
+  l.finish();
+  out["sync_step_params"] = flat_params(plain.models().policy);
+  out["sync_overlap_params"] = flat_params(t.models().policy);
+  out["sync_other_thread"] = *sync_r.other_thread;
+  return out;
+}
+
+// A deployment of three processes: rank 0 learns, rank 1 samples (asynchronous, overlap on) and
+// scores through rank 2, a reward rank outside the c10d world serving json_correct_label. The
+// sampler checks every remote score against bandit::correct_label on the same batch.
+nlohmann::json split_reward_rank() {
+  const auto digits = examples::load_digits(std::string(UNIRL_TEST_DATA_DIR) + "/digits.csv.gz");
+  const unirl::parallel::rendezvous base{.interface_host = "127.0.0.1", .timeout = std::chrono::seconds(20)};
+  const auto d = unirl::parallel::deployment::from_environment({.reward_ranks = 1}, base);
+  if (d.is_reward()) return {{"served", d.serve_reward(json_correct_label{}, {.server = {.threads = 2}, .poll_s = 0.05})}};
+  auto tr = d.transport<bandit::rollout>({.rdzv = base, .max_staleness = 1});
+  torch::manual_seed(50 + tr.rank());
+  if (tr.is_learner()) {
+    split_trainer t(bandit::model{bandit::policy_net(32)}, {}, split_options());
+    unirl::parallel::learner l(t, tr);
+    const auto before = checksum(t.models().policy);
+    std::int64_t steps = 0;
+    for (; steps < 6; ++steps)
+      if (!l.step(1)) throw std::runtime_error("the sampler stopped early");
+    l.finish();
+    return {{"steps", steps}, {"c10d_world", tr.world_size()}, {"moved", checksum(t.models().policy) != before}};
+  }
+  struct checked_remote {
+    bandit_remote r;
+    std::shared_ptr<std::vector<bool>> same = std::make_shared<std::vector<bool>>();
+    std::future<torch::Tensor> submit(const bandit::rollout& b) {
+      auto local = bandit::correct_label{}(b);
+      return std::async(std::launch::deferred, [f = r.submit(b), local, same = same]() mutable {
+        auto got = f.get();
+        same->push_back(torch::equal(got, local));
+        return got;
+      });
+    }
+    torch::Tensor operator()(const bandit::rollout& b) { return submit(b).get(); }
+  };
+  const std::string url = d.reward_url(d.reward_for_sampler(tr.rank() - 1));
+  checked_remote reward{bandit_remote{std::make_shared<unirl::rewards::remote_scorer>(
+      unirl::rewards::remote_options{.url = url, .timeout_s = 10, .retries = 0})}};
+  auto same = reward.same;
+  auto submits = reward.r.submits;
+  unirl::parallel::rollout_worker<bandit::model, bandit::policy_gradient, checked_remote, c10d_tr> w(
+      bandit::model{bandit::policy_net(32)}, reward, split_options(), tr, tr.rank() - 1, {.overlap_scoring = true});
+  std::int64_t batches = 0;
+  for (std::int64_t j = 0; w.run_once(input_for(digits, j, tr.rank() - 1)); ++j) ++batches;
+  return {{"same", *same}, {"submits", *submits}, {"batches", batches}, {"url", url}};
+}
+
+
+// ---- several learners (deployment_options::learner_ranks; the "two learner ranks" test) ----
+//   dp_worker split_learners|split_learners_file env env <store-file> <out-prefix>
+//   dp_worker split_learners_ref <rank> 2 <store-file> <out-prefix>
+// WORLD_SIZE 4 (+ 1 reward rank with the TCPStore), learner_ranks 2: ranks 0 and 1 learn (data
+// parallel among themselves), ranks 2 and 3 sample (sampler index s = rank - 2, learner s % 2),
+// synchronously. Every rank starts from
+// other weights (seed 50 + rank): the learners must take learner 0's, each sampler its learner's.
+// The reference, split_learners_ref: the colocated 2-rank data-parallel trainer, rank r stepping
+// on sampler r's inputs (see the test for why the two must agree).
+
+using dp_split_trainer = unirl::trainer<bandit::model, bandit::policy_gradient, bandit::correct_label, dp>;
+
+// bandit::correct_label — here, or served by a reward rank (json_correct_label) — keeping each
+// batch's scores.
+struct noting_label {
+  std::shared_ptr<unirl::rewards::remote_scorer> remote{};  // null: scored here
+  std::shared_ptr<nlohmann::json> seen = std::make_shared<nlohmann::json>(nlohmann::json::array());
+  torch::Tensor operator()(const bandit::rollout& b) const {
+    auto r = remote ? (*remote)(as_json(b)) : bandit::correct_label{}(b);
+    seen->push_back(values_of(r));
+    return r;
+  }
+};
+
+// What a deployment refuses, and the strategy of a lone learner (no store is opened).
+nlohmann::json deployment_checks(const unirl::parallel::rendezvous& base) {
+  nlohmann::json out;
+  auto refused = [](auto make) -> std::string {
+    try {
+      make();
+    } catch (const std::exception& e) {
+      return e.what();
+    }
+    return "";
+  };
+  using unirl::parallel::deployment;
+  out["zero_learners"] = refused([&] { (void)deployment(0, 4, {.learner_ranks = 0}, base); });
+  out["too_few_samplers"] = refused([&] { (void)deployment(0, 3, {.learner_ranks = 2}, base); });
+  out["too_few_with_reward"] = refused([&] { (void)deployment(0, 5, {.learner_ranks = 2, .reward_ranks = 2}, base); });
+  out["sampler_group"] = refused([&] { (void)deployment(2, 4, {.learner_ranks = 2}, base).learner_group(); });
+  out["lone_learner_world"] = deployment(0, 2, {}, base).learner_group().world_size();
+  const deployment five(4, 5, {.learner_ranks = 2}, base);  // samplers 0, 1, 2: learner 0 has two
+  out["groups_of_five"] = {five.group(), five.group_samplers(0), five.group_samplers(1), five.sampler_index()};
+  return out;
+}
+
+nlohmann::json split_learners(const std::string& store) {
+  const auto digits = examples::load_digits(std::string(UNIRL_TEST_DATA_DIR) + "/digits.csv.gz");
+  unirl::parallel::rendezvous base{.interface_host = "127.0.0.1", .timeout = std::chrono::seconds(20)};
+  if (store != "tcp") base.file_path = store;
+  // With the TCPStore, rank 4 is a reward rank (a FileStore with reward ranks is refused).
+  const auto d = unirl::parallel::deployment::from_environment(
+      {.learner_ranks = 2, .reward_ranks = store == "tcp" ? 1 : 0}, base);
+  if (d.is_reward()) return {{"served", d.serve_reward(json_correct_label{}, {.server = {.threads = 2}, .poll_s = 0.05})}};
+  torch::manual_seed(50 + d.rank());
+  if (d.is_learner()) {
+    dp_split_trainer t(bandit::model{bandit::policy_net(32)}, {}, split_options(), d.learner_group());
+    auto tr = d.transport<bandit::rollout>({.rdzv = base});
+    unirl::parallel::learner l(t, tr);
+    nlohmann::json staleness = nlohmann::json::array(), published = nlohmann::json::array(),
+                   rewards = nlohmann::json::array();
+    published.push_back(checksum(t.models().policy));
+    for (std::int64_t s = 0; s < split_steps; ++s) {
+      const auto st = l.step(tr.samplers());
+      if (!st) throw std::runtime_error("the samplers stopped early");
+      staleness.push_back(st->extra.at("staleness"));
+      rewards.push_back(values_of(t.last_rewards()));  // the scores of the batch this step learnt from
+      published.push_back(checksum(t.models().policy));
+    }
+    l.finish();
+    t.parallel().barrier();  // rank 0 serves the store: it ends after every learner finished
+    nlohmann::json out{{"params", flat_params(t.models().policy)}, {"staleness", staleness},
+                       {"published", published}, {"rewards", rewards}, {"group", d.group()},
+                       {"local_rank", tr.rank()}, {"group_world", tr.world_size()}, {"dropped", tr.dropped()}};
+    if (d.rank() == 0) out["checks"] = deployment_checks(base);
+    return out;
+  }
+  auto tr = d.transport<bandit::rollout>({.rdzv = base});
+  noting_label reward;
+  if (d.reward_ranks() > 0)
+    reward.remote = std::make_shared<unirl::rewards::remote_scorer>(unirl::rewards::remote_options{
+        .url = d.reward_url(d.reward_for_sampler(d.sampler_index())), .timeout_s = 10, .retries = 0});
+  auto seen = reward.seen;
+  unirl::parallel::rollout_worker<bandit::model, bandit::policy_gradient, noting_label, c10d_tr> w(
+      bandit::model{bandit::policy_net(32)}, reward, split_options(), tr, d.sampler_index());
+  nlohmann::json versions = nlohmann::json::array(), sums = nlohmann::json::array();
+  for (std::int64_t j = 0; w.run_once(input_for(digits, j, d.sampler_index())); ++j) {
+    versions.push_back(w.version());
+    sums.push_back(checksum(w.models().policy));  // the weights this batch was drawn with
+  }
+  return {{"versions", versions}, {"sums", sums}, {"rewards", *seen}, {"group", d.group()},
+          {"local_rank", tr.rank()}, {"sampler_index", d.sampler_index()}};
+}
+
+nlohmann::json split_learners_ref(dp par) {
+  const auto digits = examples::load_digits(std::string(UNIRL_TEST_DATA_DIR) + "/digits.csv.gz");
+  const int rank = par.rank();
+  torch::manual_seed(50 + rank);
+  dp_split_trainer t(bandit::model{bandit::policy_net(32)}, {}, split_options(), std::move(par));
+  nlohmann::json rewards = nlohmann::json::array();
+  for (std::int64_t j = 0; j < split_steps; ++j) {
+    t.step(input_for(digits, j, rank));
+    rewards.push_back(values_of(t.last_rewards()));
+  }
+  return {{"params", flat_params(t.models().policy)}, {"rewards", rewards}};
+}
+
+// ---- faults (c10d_transport: heartbeats, sampler_loss; the "faults: ..." tests) ----
+//   dp_worker fault_sampler_continue|fault_sampler_stop|fault_learner env env tcp|<store-file> <out-prefix>
+// Synchronous split, 1 learner + 2 samplers, fault_timeout 1 s, heartbeat 100 ms. One process
+// dies by SIGKILL (raised by itself: no unwinding, no goodbye, its sockets closed by the kernel)
+// at a fixed point, having written the monotonic time of its death to <out-prefix>.died:
+// - fault_sampler_continue: sampler rank 2 while scoring its batch of version 3, before pushing
+//   it (the learner waits in pop); the learner carries on with rank 1;
+// - fault_sampler_stop: sampler rank 2 right after pushing its batch of version 3 (the learner
+//   waits for it to receive version 4); the learner stops with an error;
+// - fault_learner: the learner after receiving the batches of version 3 (the samplers wait for
+//   version 4); the samplers must stop with an error.
+// "tcp": a TCPStore served by the learner; otherwise a FileStore at that path (it outlives the
+// learner, so only the heartbeat tells).
+std::int64_t monotonic_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+[[noreturn]] void die(const std::string& out) {
+  std::ofstream(out + ".died") << monotonic_ns();
+  std::raise(SIGKILL);
+  std::abort();
+}
+
+// bandit::correct_label that kills the process at its call number `die_at` (-1: never).
+struct dying_label {
+  std::string out;
+  std::int64_t die_at = -1;
+  std::shared_ptr<std::int64_t> calls = std::make_shared<std::int64_t>(0);
+  torch::Tensor operator()(const bandit::rollout& b) const {
+    if ((*calls)++ == die_at) die(out);
+    return bandit::correct_label{}(b);
+  }
+};
+
+nlohmann::json fault(const std::string& mode, const std::string& store, const std::string& out) {
+  const auto digits = examples::load_digits(std::string(UNIRL_TEST_DATA_DIR) + "/digits.csv.gz");
+  unirl::parallel::transport_options o{
+      .rdzv = {.interface_host = "127.0.0.1", .timeout = std::chrono::seconds(20)},
+      .on_sampler_loss = mode == "fault_sampler_continue" ? unirl::parallel::sampler_loss::carry_on
+                                                          : unirl::parallel::sampler_loss::stop,
+      .fault_timeout = std::chrono::milliseconds(1000),
+      .heartbeat = std::chrono::milliseconds(100)};
+  if (store != "tcp") o.rdzv.file_path = store;
+  auto tr = c10d_tr::from_environment(o);
+  torch::manual_seed(50 + tr.rank());
+  if (tr.is_learner()) {
+    split_trainer t(bandit::model{bandit::policy_net(32)}, {}, split_options());
+    unirl::parallel::learner l(t, tr);
+    nlohmann::json lost = nlohmann::json::array(), samples = nlohmann::json::array(),
+                   staleness = nlohmann::json::array(), at = nlohmann::json::array();
+    for (std::int64_t s = 0; s < split_steps; ++s) {
+      if (mode == "fault_learner" && s == 3) {
+        // receive both batches of version 3 (the samplers' sends complete), then die: the
+        // samplers wait for version 4 in the store, outside any Gloo call
+        for (int k = 0; k < tr.samplers(); ++k)
+          if (!tr.pop(l.version())) throw std::runtime_error("the samplers stopped early");
+        die(out);
+      }
+      const auto st = l.step(tr.samplers());
+      if (!st) throw std::runtime_error("the samplers stopped early");
+      lost.push_back(st->extra.at("samplers_lost"));
+      samples.push_back(st->samples);
+      staleness.push_back(st->extra.at("staleness"));
+      at.push_back(monotonic_ns());
+    }
+    l.finish();
+    return {{"samplers_lost", lost}, {"samples", samples}, {"staleness", staleness}, {"step_end_ns", at},
+            {"lost_ranks", tr.lost_ranks()}, {"live", tr.live_samplers()}};
+  }
+  const bool dies = tr.rank() == 2 && mode != "fault_learner";
+  using worker = unirl::parallel::rollout_worker<bandit::model, bandit::policy_gradient, dying_label, c10d_tr>;
+  worker w(bandit::model{bandit::policy_net(32)}, dying_label{out, dies && mode == "fault_sampler_continue" ? 3 : -1},
+           split_options(), tr, tr.rank() - 1);
+  nlohmann::json versions = nlohmann::json::array();
+  for (std::int64_t j = 0; w.run_once(input_for(digits, j, tr.rank() - 1)); ++j) {
+    versions.push_back(w.version());
+    if (dies && mode == "fault_sampler_stop" && w.version() == 3) die(out);  // pushed; version 4 not received
+  }
+  return {{"versions", versions}};
+}
 }  // namespace
 
 int main(int argc, char** argv) try {
@@ -355,18 +732,40 @@ int main(int argc, char** argv) try {
   }
   const std::string mode = argv[1];
   torch::set_num_threads(1);
-  if (mode == "split_sync" || mode == "split_async" || mode == "sync_bench" || mode == "colocated") {
+  if (mode == "split_learners" || mode == "split_learners_file") {
     const char* r = std::getenv("RANK");
-    const std::string rank = mode == "colocated" ? "0" : r ? r : "";
-    const nlohmann::json out = mode == "colocated" ? colocated() : mode == "sync_bench" ? sync_bench() : split(mode);
+    const nlohmann::json out = split_learners(mode == "split_learners" ? "tcp" : argv[4]);
+    std::ofstream(std::string(argv[5]) + "." + (r ? r : "") + ".json") << out.dump();
+    return 0;
+  }
+  if (mode.rfind("fault_", 0) == 0) {  // the faults: see fault()
+    const char* r = std::getenv("RANK");
+    const nlohmann::json out = fault(mode, argv[4], argv[5]);
+    std::ofstream(std::string(argv[5]) + "." + (r ? r : "") + ".json") << out.dump();
+    return 0;
+  }
+  if (mode == "split_sync" || mode == "split_async" || mode == "sync_bench" || mode == "colocated" ||
+      mode == "overlap" || mode == "split_reward_rank") {
+    const char* r = std::getenv("RANK");
+    const std::string rank = mode == "colocated" || mode == "overlap" ? "0" : r ? r : "";
+    const nlohmann::json out = mode == "colocated"           ? colocated()
+                               : mode == "overlap"           ? overlap()
+                               : mode == "split_reward_rank" ? split_reward_rank()
+                               : mode == "sync_bench"        ? sync_bench()
+                                                             : split(mode);
     std::ofstream(std::string(argv[5]) + "." + rank + ".json") << out.dump();
     return 0;
   }
   const int rank = std::stoi(argv[2]), world = std::stoi(argv[3]);
+  if (const auto z = zero_modes::run(mode, rank, world, argv[4], argv[5])) {
+    std::ofstream(std::string(argv[5]) + "." + std::to_string(rank) + ".json") << z->dump();
+    return 0;
+  }
   dp par(rank, world, {.file_path = argv[4], .interface_host = "127.0.0.1", .timeout = std::chrono::seconds(60)});
-  const nlohmann::json out = mode == "grads"     ? check_gradients(par)
-                             : mode == "buffers" ? buffers(std::move(par))
-                                                 : train(std::move(par));
+  const nlohmann::json out = mode == "grads"                ? check_gradients(par)
+                             : mode == "buffers"            ? buffers(std::move(par))
+                             : mode == "split_learners_ref" ? split_learners_ref(std::move(par))
+                                                            : train(std::move(par));
   std::ofstream(std::string(argv[5]) + "." + std::to_string(rank) + ".json") << out.dump();
   return 0;
 } catch (const std::exception& e) {

@@ -3,6 +3,7 @@
 #include <catch2/catch.hpp>
 
 #include <arpa/inet.h>
+#include <fcntl.h>
 #include <netinet/in.h>
 #include <spawn.h>
 #include <sys/socket.h>
@@ -22,6 +23,7 @@
 #include <nlohmann/json.hpp>
 #include <unirl/parallel/wire.hpp>
 #include <unirl/rollout/env.hpp>
+#include <unirl/rollout/flow.hpp>
 #include <unirl/rollout/token.hpp>
 
 extern char** environ;
@@ -322,6 +324,40 @@ TEST_CASE("the wire carries a token batch exactly and rejects damaged bytes with
   CHECK(eb.batch.num_envs == 1);
   CHECK_FALSE(eb.rewards.defined());
 
+  // A flow batch (the split digits_flow example): float32 states, means and behaviour log-probs,
+  // float64 stds (0 on a deterministic step) and timesteps, int64 conditions, unset advantages —
+  // bit for bit, with dtypes and shapes; two decoded batches concatenate as the learner gathers them.
+  unirl::flow_rollout f;
+  f.conditions = torch::tensor({3, 7}, torch::kInt64);
+  f.trajectory = torch::arange(2 * 3 * 4, torch::kFloat32).reshape({2, 3, 1, 2, 2}).mul(0.37f).sub(1.0f);
+  f.means = torch::arange(2 * 2 * 4, torch::kFloat32).reshape({2, 2, 1, 2, 2}).mul(-0.11f);
+  f.stds = torch::tensor({{0.25, 0.0}, {0.125, 0.0}}, torch::kFloat64);
+  f.log_probs = torch::tensor({{-1.5f, 0.0f}, {-0.75f, 0.0f}});
+  f.timesteps = torch::tensor({{1.0, 0.5, 0.0}, {1.0, 0.5, 0.0}}, torch::kFloat64);
+  const auto fb = decode<unirl::flow_rollout>(
+      encode(unirl::versioned_batch<unirl::flow_rollout>{f, torch::tensor({0.9f, 0.1f}), 5}), "test");
+  CHECK(fb.policy_version == 5);
+  CHECK(torch::equal(fb.rewards, torch::tensor({0.9f, 0.1f})));
+  CHECK(fb.batch.conditions.scalar_type() == torch::kInt64);
+  CHECK(torch::equal(fb.batch.conditions, f.conditions));
+  CHECK(fb.batch.trajectory.sizes() == f.trajectory.sizes());
+  CHECK(torch::equal(fb.batch.trajectory, f.trajectory));
+  CHECK(torch::equal(fb.batch.means, f.means));
+  CHECK(fb.batch.stds.scalar_type() == torch::kFloat64);
+  CHECK(torch::equal(fb.batch.stds, f.stds));
+  CHECK(fb.batch.log_probs.scalar_type() == torch::kFloat32);
+  CHECK(torch::equal(fb.batch.log_probs, f.log_probs));  // the behaviour log-probs, bit for bit
+  CHECK(torch::equal(fb.batch.timesteps, f.timesteps));
+  CHECK_FALSE(fb.batch.advantages.defined());
+  CHECK_FALSE(fb.batch.rewards.defined());
+  CHECK(fb.batch.size() == 2);
+  CHECK(fb.batch.steps() == 2);
+  const auto two = unirl::batch::concat(std::vector<unirl::flow_rollout>{fb.batch, fb.batch});
+  CHECK(torch::equal(two.trajectory, torch::cat({f.trajectory, f.trajectory})));
+  CHECK(torch::equal(two.stds, torch::cat({f.stds, f.stds})));
+  CHECK_THROWS_WITH(decode<unirl::token_rollout>(encode(unirl::versioned_batch<unirl::flow_rollout>{f, {}, 0}), "rank 1"),
+                    Catch::Contains("rank 1") && Catch::Contains("'conditions'"));
+
   // Damaged bytes: every truncation, a wrong magic, a wrong dtype code, a huge count, a batch
   // of another type — an error that says so, never a crash or a half-filled batch.
   const auto n = bytes.numel();
@@ -342,4 +378,367 @@ TEST_CASE("the wire carries a token batch exactly and rejects damaged bytes with
   CHECK_THROWS_WITH(decode<unirl::env_rollout>(bytes, "test"), Catch::Contains("field 'prompt_ids' where 'obs'"));
   auto longer = torch::cat({bytes, torch::zeros({1}, torch::kUInt8)});
   CHECK_THROWS_WITH(decode<unirl::token_rollout>(longer, "test"), Catch::Contains("1 bytes after the last field"));
+}
+
+// ---- reward overlap and reward ranks (worker_options::overlap_scoring, parallel/reward_ranks.hpp) ----
+
+TEST_CASE("overlapped reward scoring pushes exactly the batches in-line scoring pushes", "[cpu][distributed]") {
+  const auto res = run_workers("overlap", 1, std::chrono::seconds(60));
+  const auto& r = res[0];
+  // A fixed schedule (publish 0, batch 0, publish 1, batches 1 and 2, publish 2, batch 3): the
+  // same batches, behaviour log-probs, rewards and versions, in the same order, bit for bit.
+  const auto& plain = r["plain"]["batches"];
+  REQUIRE(plain.size() == 4);
+  CHECK(r["overlap"]["batches"] == plain);
+  nlohmann::json versions = nlohmann::json::array();
+  for (const auto& b : r["overlap"]["batches"]) versions.push_back(b["version"]);
+  CHECK(versions == nlohmann::json::array({0, 1, 1, 2}));  // each batch keeps its own policy_version
+  CHECK(plain[0]["actions"] != plain[1]["actions"]);         // the batches differ: the comparison can fail
+  // The rewards are the rule's: action == label, from the request's tensors on the server too.
+  CHECK(r["remote"]["batches"] == plain);
+  CHECK(r["remote_submits"].get<int>() == 4);  // every batch went through remote_scorer::submit ...
+  CHECK(r["remote_served"].get<int>() == 4);   // ... and over HTTP
+  // The overlapping worker scored on another thread and returned with the scoring in flight.
+  CHECK(r["plain_other_thread"] == nlohmann::json::array({false, false, false, false}));
+  CHECK(r["overlap_other_thread"] == nlohmann::json::array({true, true, true, true}));
+  CHECK(r["overlap"]["scoring"] == nlohmann::json::array({true, true, true, true}));
+  // A reward that takes 300 ms: in line, every run_once takes that long; overlapped, the first
+  // returns at once (batch 0 is scored while the caller goes on to batch 1).
+  for (const auto& ms : r["slow_plain"]) CHECK(ms.get<double>() >= 290.0);
+  CHECK(r["slow_overlap"][0].get<double>() < 150.0);
+  // Synchronous mode ignores the option (scores in line) and trains what trainer.step trains.
+  CHECK(r["sync_overlap_params"] == r["sync_step_params"]);
+  for (const auto& o : r["sync_other_thread"]) CHECK_FALSE(o.get<bool>());
+}
+
+TEST_CASE("a reward rank outside the c10d world scores a sampler's batches over HTTP", "[cpu][distributed]") {
+  // WORLD_SIZE 3 with one reward rank: rank 0 learns, rank 1 samples (asynchronous, overlapped
+  // scoring), rank 2 serves the reward and publishes its URL in the store.
+  const auto res = run_workers("split_reward_rank", 3, std::chrono::seconds(60), /*torchrun_env=*/true);
+  CHECK(res[0]["steps"].get<int>() == 6);
+  CHECK(res[0]["c10d_world"].get<int>() == 2);  // the reward rank joined no collective
+  CHECK(res[0]["moved"].get<bool>());
+  const auto& same = res[1]["same"];
+  REQUIRE(same.size() >= 6);  // every batch the learner trained on was scored remotely
+  for (const auto& s : same) CHECK(s.get<bool>());  // remote score == bandit::correct_label, every sample
+  CHECK(res[1]["url"].get<std::string>().rfind("http://127.0.0.1:", 0) == 0);
+  CHECK(res[2]["served"].get<std::int64_t>() >= static_cast<std::int64_t>(same.size()));
+  CHECK(res[2]["served"].get<std::int64_t>() <= res[1]["submits"].get<std::int64_t>());
+}
+
+TEST_CASE("two learner ranks, data parallel, each with its own sampler, train what 2-rank data parallelism trains",
+          "[cpu][distributed]") {
+  // learner_ranks 2 (dp_worker split_learners): ranks 0, 1 learn, ranks 2, 3 sample synchronously;
+  // sampler s (rank 2 + s) belongs to learner s. On a TCPStore with a reward rank (rank 4) that
+  // scores both samplers' batches over HTTP; on a FileStore (WORLD_SIZE 4) scored in the samplers. The reference is the colocated
+  // 2-rank data-parallel trainer whose rank r steps on sampler r's inputs. They must agree: sampler
+  // s seeds its stream with seed + s, as data-parallel rank s's trainer does, and draws with its
+  // learner's weights (which are rank 0's, as the reference's); each learner learns from that one
+  // batch and the trainer averages the gradients over the two learners, as the reference averages
+  // them over its ranks — the same batches, the same gradients, the same AdamW steps (fp32).
+  const auto ref = run_workers("split_learners_ref", 2, std::chrono::seconds(60));
+  nlohmann::json checks;
+  for (const std::string mode : {"split_learners", "split_learners_file"}) {  // a TCPStore, a FileStore
+    INFO(mode);
+    const bool tcp = mode == "split_learners";
+    const auto res = run_workers(mode, tcp ? 5 : 4, std::chrono::seconds(60), /*torchrun_env=*/true);
+    checks = res[0]["checks"];
+    // The reward rank served every batch both samplers scored; it stops once both learners have
+    // finished (their samplers said goodbye), so no sampler's last request finds it gone.
+    if (tcp) CHECK(res[4]["served"].get<std::size_t>() == res[2]["rewards"].size() + res[3]["rewards"].size());
+    const auto params = as_vector(res[0]["params"]);
+    CHECK(max_abs_diff(as_vector(res[1]["params"]), params) == 0.0);  // the learners end bit for bit equal
+    CHECK(max_abs_diff(as_vector(ref[0]["params"]), params) <= 1e-6);
+    CHECK(max_abs_diff(as_vector(ref[1]["params"]), params) <= 1e-6);
+    // Learner 1 started from other weights and took learner 0's; the weights did move.
+    CHECK(res[1]["published"] == res[0]["published"]);
+    CHECK(res[0]["published"].front().get<double>() != res[0]["published"].back().get<double>());
+    for (int l = 0; l < 2; ++l) {
+      INFO("learner " << l);
+      const int sampler = 2 + l;
+      CHECK(res[l]["group"].get<int>() == l);
+      CHECK(res[l]["local_rank"].get<int>() == 0);
+      CHECK(res[l]["group_world"].get<int>() == 2);  // the learner and its one sampler
+      CHECK(res[sampler]["group"].get<int>() == l);
+      CHECK(res[sampler]["sampler_index"].get<int>() == l);
+      CHECK(res[sampler]["local_rank"].get<int>() == 1);
+      CHECK(res[l]["dropped"].get<std::int64_t>() == 0);
+      const auto& staleness = res[l]["staleness"];
+      REQUIRE(staleness.size() == 8);
+      const auto& versions = res[sampler]["versions"];
+      REQUIRE(versions.size() >= 8);  // one batch per version (the last may be discarded at the end)
+      for (std::size_t j = 0; j < 8; ++j) {
+        INFO("step " << j);
+        CHECK(staleness[j].get<double>() == 0.0);  // on-policy: the batch of step j was drawn with version j
+        CHECK(versions[j].get<std::int64_t>() == static_cast<std::int64_t>(j));
+        CHECK(res[sampler]["sums"][j].get<double>() == res[l]["published"][j].get<double>());
+        // the learner learnt from its own sampler's batch j, the one reference rank l stepped on
+        CHECK(res[l]["rewards"][j] == res[sampler]["rewards"][j]);
+        CHECK(res[l]["rewards"][j] == ref[l]["rewards"][j]);
+      }
+    }
+    CHECK(res[0]["rewards"] != res[1]["rewards"]);  // the two learners did see different batches
+  }
+  // What a deployment refuses, naming the value; a lone learner's strategy is a group of one.
+  CHECK_THAT(checks["zero_learners"].get<std::string>(), Catch::Contains("learner_ranks") && Catch::Contains("0"));
+  CHECK_THAT(checks["too_few_samplers"].get<std::string>(),
+             Catch::Contains("learner_ranks = 2") && Catch::Contains("1 sampler ranks; expected at least one per learner"));
+  CHECK_THAT(checks["too_few_with_reward"].get<std::string>(), Catch::Contains("reward_ranks = 2"));
+  CHECK_THAT(checks["sampler_group"].get<std::string>(), Catch::Contains("is not a learner rank"));
+  CHECK(checks["lone_learner_world"].get<int>() == 1);
+  CHECK(checks["groups_of_five"] == nlohmann::json::array({0, 2, 1, 2}));
+}
+
+// ---- faults (c10d_transport: heartbeats, sampler_loss; dp_worker fault_*) ----
+
+namespace {
+// One rank of a run where a process dies: its wait status, when it ended (monotonic ns, read
+// every 10 ms), its stderr, and its JSON when it wrote one.
+struct fault_rank {
+  int status = -1;
+  std::int64_t ended_ns = 0;
+  std::string err;
+  nlohmann::json out;
+};
+struct fault_run {
+  std::vector<fault_rank> ranks;
+  std::int64_t died_ns = 0;  // when the dying process raised SIGKILL (it wrote the time first)
+};
+
+std::int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+// Runs `world` dp_worker processes in a fault mode with torchrun's variables and a TCPStore
+// (`file_store`: a FileStore in the run's directory instead); every process is reaped, and all
+// are killed when they take longer than `limit`.
+fault_run run_fault(const std::string& mode, int world, std::chrono::seconds limit, bool file_store = false) {
+  const auto dir = fs::temp_directory_path() / ("unirl-fault-" + std::to_string(std::random_device{}()));
+  fs::create_directories(dir);
+  const std::string out = (dir / "out").string(), store = file_store ? (dir / "store").string() : "tcp";
+  const int port = free_port();
+  std::vector<pid_t> pids;
+  for (int r = 0; r < world; ++r) {
+    std::vector<std::string> args{UNIRL_DP_WORKER, mode, "env", "env", store, out};
+    std::vector<char*> argv;
+    for (auto& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    std::vector<std::string> env_text;
+    for (char** e = environ; *e; ++e) {
+      const std::string v = *e;
+      if (v.rfind("RANK=", 0) == 0 || v.rfind("WORLD_SIZE=", 0) == 0 || v.rfind("MASTER_", 0) == 0) continue;
+      env_text.push_back(v);
+    }
+    env_text.push_back("RANK=" + std::to_string(r));
+    env_text.push_back("WORLD_SIZE=" + std::to_string(world));
+    env_text.push_back("MASTER_ADDR=127.0.0.1");
+    env_text.push_back("MASTER_PORT=" + std::to_string(port));
+    std::vector<char*> envp;
+    for (auto& e : env_text) envp.push_back(e.data());
+    envp.push_back(nullptr);
+    posix_spawn_file_actions_t fa;
+    posix_spawn_file_actions_init(&fa);
+    const std::string err = (dir / ("err." + std::to_string(r))).string();
+    posix_spawn_file_actions_addopen(&fa, 2, err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    pid_t pid = 0;
+    const int rc = posix_spawn(&pid, UNIRL_DP_WORKER, &fa, nullptr, argv.data(), envp.data());
+    posix_spawn_file_actions_destroy(&fa);
+    REQUIRE(rc == 0);
+    pids.push_back(pid);
+  }
+  fault_run run;
+  run.ranks.resize(pids.size());
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  std::size_t done = 0;
+  while (done < pids.size()) {
+    for (std::size_t i = 0; i < pids.size(); ++i) {
+      if (run.ranks[i].ended_ns != 0) continue;
+      int st = 0;
+      if (waitpid(pids[i], &st, WNOHANG) == pids[i]) {
+        run.ranks[i].status = st;
+        run.ranks[i].ended_ns = now_ns();
+        ++done;
+      }
+    }
+    if (std::chrono::steady_clock::now() > deadline) {
+      for (std::size_t i = 0; i < pids.size(); ++i)
+        if (run.ranks[i].ended_ns == 0) kill(pids[i], SIGKILL), waitpid(pids[i], nullptr, 0);
+      fs::remove_all(dir);
+      FAIL("processes of " << mode << " still ran after " << limit.count() << " s (a hang)");
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  for (int r = 0; r < world; ++r) {
+    auto& k = run.ranks[static_cast<std::size_t>(r)];
+    std::ifstream e(dir / ("err." + std::to_string(r)));
+    k.err.assign(std::istreambuf_iterator<char>(e), {});
+    std::ifstream o(out + "." + std::to_string(r) + ".json");
+    if (o) k.out = nlohmann::json::parse(o);
+  }
+  std::ifstream died(out + ".died");
+  died >> run.died_ns;
+  fs::remove_all(dir);
+  return run;
+}
+
+bool exited_with(int status, int code) { return WIFEXITED(status) && WEXITSTATUS(status) == code; }
+bool killed_by(int status, int sig) { return WIFSIGNALED(status) && WTERMSIG(status) == sig; }
+double ms_between(std::int64_t from_ns, std::int64_t to_ns) { return static_cast<double>(to_ns - from_ns) / 1e6; }
+}  // namespace
+
+// fault_timeout 1 s and heartbeat 100 ms in these runs (dp_worker fault()).
+TEST_CASE("faults: a killed sampler, and the learner carries on with the others (sampler_loss::carry_on)",
+          "[cpu][distributed]") {
+  const auto run = run_fault("fault_sampler_continue", 3, std::chrono::seconds(60));
+  const auto& l = run.ranks[0];
+  INFO("learner stderr: " << l.err << "\nsampler 1 stderr: " << run.ranks[1].err);
+  REQUIRE(exited_with(l.status, 0));
+  CHECK(exited_with(run.ranks[1].status, 0));
+  CHECK(killed_by(run.ranks[2].status, SIGKILL));
+  REQUIRE(run.died_ns > 0);
+  // Rank 2 died while scoring its batch of version 3: steps 0..2 gathered both samplers' batches,
+  // steps 3..7 rank 1's alone (half the samples), all on-policy; the loss is counted from step 3.
+  const auto& lost = l.out["samplers_lost"];
+  const auto& samples = l.out["samples"];
+  REQUIRE(lost.size() == 8);
+  for (std::size_t s = 0; s < 8; ++s) {
+    INFO("step " << s);
+    CHECK(lost[s].get<double>() == (s < 3 ? 0.0 : 1.0));
+    CHECK(samples[s].get<std::int64_t>() == (s < 3 ? 2 : 1) * samples[7].get<std::int64_t>());
+    CHECK(l.out["staleness"][s].get<double>() == 0.0);
+  }
+  CHECK(l.out["lost_ranks"] == nlohmann::json::array({2}));
+  // Rank 1 drew its j-th batch with version j all along, past the loss.
+  const auto& versions = run.ranks[1].out["versions"];
+  REQUIRE(versions.size() >= 8);
+  for (std::size_t j = 0; j < versions.size(); ++j) CHECK(versions[j].get<std::int64_t>() == static_cast<std::int64_t>(j));
+  // Found by its heartbeat: not before the counter stood still ~fault_timeout, not much after.
+  const double detect = ms_between(run.died_ns, l.out["step_end_ns"][3].get<std::int64_t>());
+  std::cout << "faults: a lost sampler found (step 3 done) " << detect << " ms after its death (fault_timeout 1000 ms)\n";
+  CHECK(detect >= 800.0);
+  CHECK(detect <= 4000.0);
+}
+
+TEST_CASE("faults: a killed sampler, and the learner stops with an error naming it (sampler_loss::stop)",
+          "[cpu][distributed]") {
+  const auto run = run_fault("fault_sampler_stop", 3, std::chrono::seconds(60));
+  const auto& l = run.ranks[0];
+  INFO("learner stderr: " << l.err << "\nsampler 1 stderr: " << run.ranks[1].err);
+  CHECK(killed_by(run.ranks[2].status, SIGKILL));
+  REQUIRE(run.died_ns > 0);
+  CHECK(exited_with(l.status, 1));
+  CHECK_THAT(l.err, Catch::Contains("the learner lost sampler rank 2") && Catch::Contains("on_sampler_loss = stop"));
+  // The other sampler does not wait for a learner that stopped: it stops with an error too.
+  CHECK(exited_with(run.ranks[1].status, 1));
+  CHECK_THAT(run.ranks[1].err, Catch::Contains("learner (rank 0)"));
+  const double learner_ms = ms_between(run.died_ns, l.ended_ns), other_ms = ms_between(run.died_ns, run.ranks[1].ended_ns);
+  std::cout << "faults: stop mode: the learner exited " << learner_ms << " ms, the other sampler " << other_ms
+            << " ms after the sampler's death (fault_timeout 1000 ms)\n";
+  CHECK(learner_ms <= 4000.0);
+  CHECK(other_ms <= 4000.0);
+}
+
+TEST_CASE("faults: a killed learner, and every sampler stops with an error naming it within the timeout",
+          "[cpu][distributed]") {
+  for (const bool file_store : {false, true}) {
+    // TCPStore: served by the learner, it dies with it; FileStore: it stays, only the heartbeat tells.
+    INFO((file_store ? "FileStore" : "TCPStore"));
+    const auto run = run_fault("fault_learner", 3, std::chrono::seconds(60), file_store);
+    CHECK(killed_by(run.ranks[0].status, SIGKILL));
+    REQUIRE(run.died_ns > 0);
+    for (int r = 1; r < 3; ++r) {
+      const auto& k = run.ranks[static_cast<std::size_t>(r)];
+      INFO("sampler rank " << r << " stderr: " << k.err);
+      CHECK(exited_with(k.status, 1));
+      CHECK_THAT(k.err, Catch::Contains("rank " + std::to_string(r) + " lost the learner (rank 0) while waiting for "
+                                        "weights") && Catch::Contains("fault_timeout = 1000 ms"));
+      // The TCPStore fails at once; the FileStore answers, and the learner's heartbeat stood still.
+      if (file_store) CHECK_THAT(k.err, Catch::Contains("no heartbeat for"));
+      const double ms = ms_between(run.died_ns, k.ended_ns);
+      std::cout << "faults: " << (file_store ? "FileStore" : "TCPStore") << ": sampler " << r << " exited " << ms
+                << " ms after the learner's death (fault_timeout 1000 ms)\n";
+      CHECK(ms <= 1000.0 + 3000.0);  // within the timeout, with slack for a busy machine
+    }
+  }
+}
+
+// ---- sharded optimizer state (parallel/zero.hpp) and PowerSGD (parallel/powersgd.hpp) ----
+
+namespace {
+double max_abs_diff(const nlohmann::json& a, const nlohmann::json& b) {
+  REQUIRE(a.size() == b.size());
+  double m = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) m = std::max(m, std::abs(a[i].get<double>() - b[i].get<double>()));
+  return m;
+}
+}  // namespace
+
+TEST_CASE("ZeRO-1 and ZeRO-2 on 2 ranks step AdamW as one process on the concatenated data, with half the state",
+          "[cpu][distributed]") {
+  for (const std::string stage : {"1", "2"}) {
+    const auto res = run_workers("zero_direct" + stage, 2, std::chrono::seconds(60));
+    for (int r = 0; r < 2; ++r) {
+      INFO("stage " << stage << " rank " << r);
+      // The reference: a plain AdamW over the full net on both halves of the batch, every rank its own.
+      CHECK(res[r]["weight_error"].get<double>() < 1e-5);
+      // The global gradient norm (sum of squares over the shards, all-reduced) is the full one.
+      CHECK(res[r]["norm_error"].get<double>() < 1e-6 * std::max(1.0, res[r]["max_norm"].get<double>()));
+      // Optimizer state really held: at most 0.55x of the unsharded optimizer's.
+      CHECK(res[r]["state_bytes"].get<double>() <= 0.55 * res[r]["reference_state_bytes"].get<double>());
+      CHECK(res[r]["state_bytes"].get<double>() > 0);
+      CHECK(res[r]["full_grads_freed"].get<bool>());
+    }
+    CHECK(res[0]["params"] == res[1]["params"]);  // the all-gather leaves every rank the same weights
+  }
+}
+
+TEST_CASE("a trainer under ZeRO-1 / ZeRO-2 trains what plain data parallelism trains, and resumes from per-rank "
+          "checkpoints", "[cpu][distributed]") {
+  const auto plain = run_workers("zero_train0", 2, std::chrono::seconds(120));
+  for (const std::string stage : {"1", "2"}) {
+    const auto zero = run_workers("zero_train" + stage, 2, std::chrono::seconds(120));
+    const auto resumed = run_workers("zero_resume" + stage, 2, std::chrono::seconds(120));
+    for (int r = 0; r < 2; ++r) {
+      INFO("stage " << stage << " rank " << r);
+      // 6 steps of 2 AdamW updates each, with global and per-group clipping active.
+      CHECK(max_abs_diff(zero[r]["params"], plain[r]["params"]) < 1e-5);
+      CHECK(max_abs_diff(zero[r]["grad_norms"], plain[r]["grad_norms"]) < 1e-6);
+      CHECK(zero[r]["state_bytes"].get<double>() <= 0.55 * plain[r]["state_bytes"].get<double>());
+      CHECK(zero[r]["optimizer_elements"].get<int>() * 2 == plain[r]["optimizer_elements"].get<int>());
+      // Saved after step 3 (every rank its own shard), resumed by a new trainer: the same 6-step weights.
+      CHECK(max_abs_diff(resumed[r]["params"], zero[r]["params"]) < 1e-6);
+      for (const auto& s : zero[r]["skipped"]) CHECK(s.get<int>() == 0);
+    }
+    CHECK(zero[0]["params"] == zero[1]["params"]);
+  }
+}
+
+TEST_CASE("PowerSGD with error feedback: rank-r gradients travel exactly, the running mean converges to the true one",
+          "[cpu][distributed]") {
+  const auto res = run_workers("powersgd", 2, std::chrono::seconds(60));
+  for (int r = 0; r < 2; ++r) {
+    INFO("rank " << r);
+    const auto& o = res[r];
+    // Gradients U V_r^T of rank 2 (a shared column space) with powersgd rank 2: the exact mean.
+    CHECK(o["compresses"].get<bool>());
+    CHECK(o["exact_error"].get<double>() < 1e-5);
+    CHECK(o["exact_feedback"].get<double>() < 1e-5);
+    CHECK(o["exact_bias_error"].get<double>() < 1e-6);  // 1-D tensors all-reduced uncompressed
+    // Full-rank fixed gradients: one step is far off (the compression is real) ...
+    CHECK(o["first_step_error"].get<double>() > 0.3);
+    // ... but the sum of the applied updates tracks the sum of the true means: its distance from
+    // t * mean (= the mean error-feedback buffer) stays bounded, so the running mean converges.
+    const auto& rel = o["running_mean_error"];
+    const double acc40 = rel["40"].get<double>() * 40, acc400 = rel["400"].get<double>() * 400;
+    CHECK(acc400 < 1.5 * acc40);
+    CHECK(rel["400"].get<double>() < 0.03);
+    CHECK(rel["400"].get<double>() < rel["100"].get<double>());
+    CHECK(rel["100"].get<double>() < rel["10"].get<double>());
+    // data_parallel with start_iter = 2: two exact all-reduces, then compressed.
+    const auto& s = o["start_iter_errors"];
+    CHECK(s[0].get<double>() < 1e-6);
+    CHECK(s[1].get<double>() < 1e-6);
+    CHECK(s[2].get<double>() > 0.1);
+  }
 }

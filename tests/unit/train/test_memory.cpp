@@ -357,7 +357,7 @@ TEST_CASE("checkpoint: activation memory of a GPT forward + backward falls (meas
   CHECK(mp > 3.0 * mc);  // checkpointed: the blocks' inputs and one block's activations
 }
 
-TEST_CASE("reference off the device: chunked log-probs equal the unchunked ones exactly", "[cpu][memory][reference]") {
+TEST_CASE("reference off the device: chunked log-probs equal the unchunked ones", "[cpu][memory][reference]") {
   torch::manual_seed(4);
   models::gpt m({.vocab_size = 12, .max_len = 32, .n_layer = 2, .n_head = 2, .d_model = 16});
   const prompt_batch in{.tokens = {{1, 2, 3}, {4}, {5, 6}}};
@@ -369,7 +369,11 @@ TEST_CASE("reference off the device: chunked log-probs equal the unchunked ones 
     for (const std::int64_t chunk : {0, 1, 2, 4, 9, 20}) {
       CAPTURE(chunk);
       const auto parts = algo::chunked_logprob(m, batch, 1.0, layout, chunk);
-      CHECK(torch::equal(parts * batch.completion_mask, whole * batch.completion_mask));
+      // Bit-equal on most CPUs; BLAS may block a GEMM of fewer rows differently (seen: 1 ulp on
+      // one machine's float32 kernels), so the bound is a few ulps of these values (|logp| < 10).
+      const auto diff = (parts * batch.completion_mask - whole * batch.completion_mask).abs().max().item<double>();
+      CAPTURE(diff);
+      CHECK(diff <= 1e-5);
     }
   }
 }
