@@ -537,7 +537,8 @@ nlohmann::json split_reward_rank() {
 
 
 // ---- several learners (deployment_options::learner_ranks; the "two learner ranks" test) ----
-//   dp_worker split_learners|split_learners_file env env <store-file> <out-prefix>
+//   dp_worker split_learners|split_learners_file|split_learners_async env env <store-file> <out-prefix>
+//   (split_learners_async: a FileStore, max_staleness 1)
 //   dp_worker split_learners_ref <rank> 2 <store-file> <out-prefix>
 // WORLD_SIZE 4 (+ 1 reward rank with the TCPStore), learner_ranks 2: ranks 0 and 1 learn (data
 // parallel among themselves), ranks 2 and 3 sample (sampler index s = rank - 2, learner s % 2),
@@ -582,7 +583,7 @@ nlohmann::json deployment_checks(const unirl::parallel::rendezvous& base) {
   return out;
 }
 
-nlohmann::json split_learners(const std::string& store) {
+nlohmann::json split_learners(const std::string& store, std::int64_t max_staleness = 0) {
   const auto digits = examples::load_digits(std::string(UNIRL_TEST_DATA_DIR) + "/digits.csv.gz");
   unirl::parallel::rendezvous base{.interface_host = "127.0.0.1", .timeout = std::chrono::seconds(20)};
   if (store != "tcp") base.file_path = store;
@@ -593,7 +594,7 @@ nlohmann::json split_learners(const std::string& store) {
   torch::manual_seed(50 + d.rank());
   if (d.is_learner()) {
     dp_split_trainer t(bandit::model{bandit::policy_net(32)}, {}, split_options(), d.learner_group());
-    auto tr = d.transport<bandit::rollout>({.rdzv = base});
+    auto tr = d.transport<bandit::rollout>({.rdzv = base, .max_staleness = max_staleness});
     unirl::parallel::learner l(t, tr);
     nlohmann::json staleness = nlohmann::json::array(), published = nlohmann::json::array(),
                    rewards = nlohmann::json::array();
@@ -613,7 +614,7 @@ nlohmann::json split_learners(const std::string& store) {
     if (d.rank() == 0) out["checks"] = deployment_checks(base);
     return out;
   }
-  auto tr = d.transport<bandit::rollout>({.rdzv = base});
+  auto tr = d.transport<bandit::rollout>({.rdzv = base, .max_staleness = max_staleness});
   noting_label reward;
   if (d.reward_ranks() > 0)
     reward.remote = std::make_shared<unirl::rewards::remote_scorer>(unirl::rewards::remote_options{
@@ -732,9 +733,10 @@ int main(int argc, char** argv) try {
   }
   const std::string mode = argv[1];
   torch::set_num_threads(1);
-  if (mode == "split_learners" || mode == "split_learners_file") {
+  if (mode == "split_learners" || mode == "split_learners_file" || mode == "split_learners_async") {
     const char* r = std::getenv("RANK");
-    const nlohmann::json out = split_learners(mode == "split_learners" ? "tcp" : argv[4]);
+    const nlohmann::json out =
+        split_learners(mode == "split_learners" ? "tcp" : argv[4], mode == "split_learners_async" ? 1 : 0);
     std::ofstream(std::string(argv[5]) + "." + (r ? r : "") + ".json") << out.dump();
     return 0;
   }
