@@ -91,6 +91,11 @@ inline split_mode take_split_mode(int& argc, char** argv) {
                 ": expected >= 2 (rank 0 learns, ranks 1.. sample)");
     UNIRL_CHECK(m.rank >= 0 && m.rank < m.world_size, "mode=split: RANK = ", m.rank, ": expected in [0, ",
                 m.world_size, ")");
+    // Several processes share the machine's cores: one LibTorch thread each. With a thread per
+    // core in every process, the OpenMP workers of one process spin while another's hold the
+    // cores (measured on 2 cores with LibTorch 2.6: a smoke run of digits_flow took 118 s
+    // instead of 2). A program may still raise it afterwards (the quickstart's `threads`).
+    torch::set_num_threads(1);
   }
   return m;
 }

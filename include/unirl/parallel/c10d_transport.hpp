@@ -98,6 +98,7 @@ inline c10::intrusive_ptr<c10d::Store> open_world_store(const rendezvous& r, int
   o.isServer = false;
   o.numWorkers = world_size;
   o.timeout = r.timeout;
+  use_classic_tcpstore(o);
   const char* attempt = std::getenv("TORCHELASTIC_RESTART_COUNT");
   return c10::make_intrusive<c10d::PrefixStore>("/worker/attempt_" + std::string(attempt ? attempt : "0"),
                                                 c10::make_intrusive<c10d::TCPStore>(r.host, o));

@@ -87,6 +87,14 @@ inline std::pair<int, int> read_launch_environment(const char* who, rendezvous& 
   return {parse("RANK", "0"), parse("WORLD_SIZE", "1")};
 }
 
+/// LibTorch 2.4 and later ask for TCPStore's libuv backend by default, and a LibTorch built without
+/// libuv (Debian's 2.6) then refuses to make the store: every TCPStore here uses the classic
+/// backend, which LibTorch 1.13 has alone and which speaks the same protocol to either server.
+template <class Options>
+void use_classic_tcpstore(Options& o) {
+  if constexpr (requires { o.useLibUV; }) o.useLibUV = false;
+}
+
 /// The store the ranks of `r` meet at: a FileStore at `r.file_path`, or a TCPStore at `r.host`,
 /// `r.port` served by rank 0 (every wait bounded by `r.timeout`).
 inline c10::intrusive_ptr<c10d::Store> make_store(const rendezvous& r, int rank, int world_size) {
@@ -96,6 +104,7 @@ inline c10::intrusive_ptr<c10d::Store> make_store(const rendezvous& r, int rank,
   o.isServer = rank == 0;
   o.numWorkers = world_size;
   o.timeout = r.timeout;
+  use_classic_tcpstore(o);
   return c10::make_intrusive<c10d::TCPStore>(r.host, o);
 }
 

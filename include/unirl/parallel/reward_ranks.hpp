@@ -265,6 +265,7 @@ class deployment {
     so.isServer = false;
     so.waitWorkers = false;
     so.timeout = r_.timeout;
+    use_classic_tcpstore(so);
     return c10::make_intrusive<c10d::TCPStore>(r_.host, so);
   }
 
