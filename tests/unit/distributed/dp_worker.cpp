@@ -286,13 +286,19 @@ nlohmann::json split(const std::string& mode) {
   return {{"versions", versions}, {"sums", sums}};
 }
 
+// The weights the plain trainer.step reaches on sampler 0's inputs (seed 50): the reference of
+// the one-sampler split runs.
+nlohmann::json plain_step_params(const auto& digits) {
+  torch::manual_seed(50);
+  split_trainer plain(bandit::model{bandit::policy_net(32)}, {}, split_options());
+  for (std::int64_t j = 0; j < split_steps; ++j) plain.step(input_for(digits, j, 0));
+  return flat_params(plain.models().policy);
+}
+
 // The one-process reference of split_sync with one sampler: the plain trainer.step on the
 // sampler's inputs, and the colocated transport with a rollout_worker and a learner.
 nlohmann::json colocated() {
   const auto digits = examples::load_digits(std::string(UNIRL_TEST_DATA_DIR) + "/digits.csv.gz");
-  torch::manual_seed(50);
-  split_trainer plain(bandit::model{bandit::policy_net(32)}, {}, split_options());
-  for (std::int64_t j = 0; j < split_steps; ++j) plain.step(input_for(digits, j, 0));
   torch::manual_seed(50);
   split_trainer t(bandit::model{bandit::policy_net(32)}, {}, split_options());
   using tr_t = unirl::parallel::colocated_transport<bandit::rollout>;
@@ -306,7 +312,7 @@ nlohmann::json colocated() {
     staleness.push_back(l.step()->extra.at("staleness"));
   }
   l.finish();
-  nlohmann::json out{{"step_params", flat_params(plain.models().policy)},
+  nlohmann::json out{{"step_params", plain_step_params(digits)},
                      {"colocated_params", flat_params(t.models().policy)},
                      {"staleness", staleness},
                      {"after_finish", w.run_once(input_for(digits, 0, 0))}};
@@ -469,9 +475,6 @@ nlohmann::json overlap() {
 
   // Synchronous (max_staleness 0): the option changes nothing; the same training as trainer.step.
   torch::manual_seed(50);
-  split_trainer plain(bandit::model{bandit::policy_net(32)}, {}, split_options());
-  for (std::int64_t j = 0; j < split_steps; ++j) plain.step(input_for(digits, j, 0));
-  torch::manual_seed(50);
   split_trainer t(bandit::model{bandit::policy_net(32)}, {}, split_options());
   using tr_t = unirl::parallel::colocated_transport<bandit::rollout>;
   tr_t tr;
@@ -484,7 +487,7 @@ nlohmann::json overlap() {
     l.step();
   }
   l.finish();
-  out["sync_step_params"] = flat_params(plain.models().policy);
+  out["sync_step_params"] = plain_step_params(digits);
   out["sync_overlap_params"] = flat_params(t.models().policy);
   out["sync_other_thread"] = *sync_r.other_thread;
   return out;

@@ -47,6 +47,41 @@ int free_port() {
   return ntohs(a.sin_port);
 }
 
+// Starts one dp_worker process with `args` (after the program). With `port` > 0 its environment
+// carries torchrun's variables for rank `r` of `world` (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT;
+// any of them inherited are left out); with `err` its stderr goes to that file.
+pid_t spawn_worker(const std::vector<std::string>& args, int r, int world, int port, const std::string& err = "") {
+  std::vector<std::string> argv_text{UNIRL_DP_WORKER};
+  argv_text.insert(argv_text.end(), args.begin(), args.end());
+  std::vector<char*> argv;
+  for (auto& a : argv_text) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  std::vector<std::string> env_text;
+  for (char** e = environ; *e; ++e) {
+    const std::string v = *e;
+    if (port > 0 && (v.rfind("RANK=", 0) == 0 || v.rfind("WORLD_SIZE=", 0) == 0 || v.rfind("MASTER_", 0) == 0))
+      continue;
+    env_text.push_back(v);
+  }
+  if (port > 0) {
+    env_text.push_back("RANK=" + std::to_string(r));
+    env_text.push_back("WORLD_SIZE=" + std::to_string(world));
+    env_text.push_back("MASTER_ADDR=127.0.0.1");
+    env_text.push_back("MASTER_PORT=" + std::to_string(port));
+  }
+  std::vector<char*> envp;
+  for (auto& e : env_text) envp.push_back(e.data());
+  envp.push_back(nullptr);
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  if (!err.empty()) posix_spawn_file_actions_addopen(&fa, 2, err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  pid_t pid = 0;
+  const int rc = posix_spawn(&pid, UNIRL_DP_WORKER, &fa, nullptr, argv.data(), envp.data());
+  posix_spawn_file_actions_destroy(&fa);
+  REQUIRE(rc == 0);
+  return pid;
+}
+
 // Runs `world` workers in `mode`; kills them all if they take longer than `limit` (never hangs).
 // With `torchrun_env` the ranks meet as torchrun's would: RANK, WORLD_SIZE, MASTER_ADDR and
 // MASTER_PORT in their environment (a TCPStore served by rank 0).
@@ -58,30 +93,9 @@ std::vector<nlohmann::json> run_workers(const std::string& mode, int world, std:
   const int port = torchrun_env ? free_port() : 0;
   std::vector<pid_t> pids;
   for (int r = 0; r < world; ++r) {
-    std::vector<std::string> args{UNIRL_DP_WORKER, mode, torchrun_env ? "env" : std::to_string(r),
-                                  torchrun_env ? "env" : std::to_string(world), store, out};
-    std::vector<char*> argv;
-    for (auto& a : args) argv.push_back(a.data());
-    argv.push_back(nullptr);
-    std::vector<std::string> env_text;
-    for (char** e = environ; *e; ++e) {
-      const std::string v = *e;
-      if (torchrun_env && (v.rfind("RANK=", 0) == 0 || v.rfind("WORLD_SIZE=", 0) == 0 || v.rfind("MASTER_", 0) == 0))
-        continue;
-      env_text.push_back(v);
-    }
-    if (torchrun_env) {
-      env_text.push_back("RANK=" + std::to_string(r));
-      env_text.push_back("WORLD_SIZE=" + std::to_string(world));
-      env_text.push_back("MASTER_ADDR=127.0.0.1");
-      env_text.push_back("MASTER_PORT=" + std::to_string(port));
-    }
-    std::vector<char*> envp;
-    for (auto& e : env_text) envp.push_back(e.data());
-    envp.push_back(nullptr);
-    pid_t pid = 0;
-    REQUIRE(posix_spawn(&pid, UNIRL_DP_WORKER, nullptr, nullptr, argv.data(), envp.data()) == 0);
-    pids.push_back(pid);
+    pids.push_back(spawn_worker({mode, torchrun_env ? "env" : std::to_string(r),
+                                 torchrun_env ? "env" : std::to_string(world), store, out},
+                                r, world, port));
   }
   const auto deadline = std::chrono::steady_clock::now() + limit;
   std::vector<int> status(pids.size(), -1);
@@ -544,32 +558,8 @@ fault_run run_fault(const std::string& mode, int world, std::chrono::seconds lim
   const int port = free_port();
   std::vector<pid_t> pids;
   for (int r = 0; r < world; ++r) {
-    std::vector<std::string> args{UNIRL_DP_WORKER, mode, "env", "env", store, out};
-    std::vector<char*> argv;
-    for (auto& a : args) argv.push_back(a.data());
-    argv.push_back(nullptr);
-    std::vector<std::string> env_text;
-    for (char** e = environ; *e; ++e) {
-      const std::string v = *e;
-      if (v.rfind("RANK=", 0) == 0 || v.rfind("WORLD_SIZE=", 0) == 0 || v.rfind("MASTER_", 0) == 0) continue;
-      env_text.push_back(v);
-    }
-    env_text.push_back("RANK=" + std::to_string(r));
-    env_text.push_back("WORLD_SIZE=" + std::to_string(world));
-    env_text.push_back("MASTER_ADDR=127.0.0.1");
-    env_text.push_back("MASTER_PORT=" + std::to_string(port));
-    std::vector<char*> envp;
-    for (auto& e : env_text) envp.push_back(e.data());
-    envp.push_back(nullptr);
-    posix_spawn_file_actions_t fa;
-    posix_spawn_file_actions_init(&fa);
-    const std::string err = (dir / ("err." + std::to_string(r))).string();
-    posix_spawn_file_actions_addopen(&fa, 2, err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    pid_t pid = 0;
-    const int rc = posix_spawn(&pid, UNIRL_DP_WORKER, &fa, nullptr, argv.data(), envp.data());
-    posix_spawn_file_actions_destroy(&fa);
-    REQUIRE(rc == 0);
-    pids.push_back(pid);
+    pids.push_back(
+        spawn_worker({mode, "env", "env", store, out}, r, world, port, (dir / ("err." + std::to_string(r))).string()));
   }
   fault_run run;
   run.ranks.resize(pids.size());
