@@ -4,6 +4,7 @@
 #include <initializer_list>
 #include <type_traits>
 #include <numeric>
+#include <random>
 #include <vector>
 
 #include <torch/torch.h>
