@@ -648,7 +648,7 @@ train_bytes measure_training_bytes(const hf::decoder_config& c, std::int64_t ran
 
 }  // namespace
 
-TEST_CASE("lora: zero-initialised adapters leave the logits bit-identical; apply freezes the base and adapts the "
+TEST_CASE("lora: zero-initialised adapters leave the logits unchanged; apply freezes the base and adapts the "
           "matching linear layers",
           "[cpu][hf][lora]") {
   const auto r = reference("llama");
@@ -690,9 +690,11 @@ TEST_CASE("lora: zero-initialised adapters leave the logits bit-identical; apply
       CHECK(p[m + ".lora_A.weight"].abs().max().item<double>() <= bound);
       CHECK(p[m + ".lora_A.weight"].abs().max().item<double>() > 0.5 * bound);
     }
-    CHECK(torch::equal(lm.logits(ids, mask), base));
+    // Bit-identical with LibTorch 1.13; with 2.6 a wrapped linear layer with a bias (Qwen2's
+    // q/k/v) goes through another kernel, a few ulps from the fused one.
+    CHECK((lm.logits(ids, mask) - base).abs().max().item<double>() <= 1e-5);
     auto cache2 = lm.make_cache(ids.size(0), ids.size(1));
-    CHECK(torch::equal(lm.logits_cached(ids, mask, cache2), base_cached));
+    CHECK((lm.logits_cached(ids, mask, cache2) - base_cached).abs().max().item<double>() <= 1e-5);
     // errors: already adapted; rank 0
     CHECK_THROWS_WITH(lora::apply(lm, {.rank = 4}), Catch::Contains("already has adapters"));
   }
