@@ -18,7 +18,7 @@
 ///                                               pipe.latent_shape(64, 64), {.guidance = 4.0});
 /// unirl::lora::apply(*model.net(), {.rank = 8, .targets = df::sd3_lora_targets()});
 /// // ... train with conditions = prompt indices (B,) int64 ...
-/// df::save_lora(model.net(), "out/lora");    // transformer.<module>.lora_A.weight / lora_B.weight
+/// df::save_lora(*model.net(), "out/lora");    // transformer.<module>.lora_A.weight / lora_B.weight
 /// ```
 ///
 /// T5: `text_encoder_3` is not implemented. A pipeline folder whose model_index.json names one
