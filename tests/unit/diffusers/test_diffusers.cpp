@@ -18,7 +18,9 @@
 #include <catch2/catch.hpp>
 
 #include <unirl/algorithms/diffusion_nft.hpp>
+#include <unirl/algorithms/flow_dppo.hpp>
 #include <unirl/algorithms/flow_grpo.hpp>
+#include <unirl/algorithms/ram.hpp>
 #include <unirl/io/safetensors.hpp>
 #include <unirl/models/diffusers/sd3.hpp>
 #include <unirl/models/flow.hpp>
@@ -202,6 +204,8 @@ TEST_CASE("sd3 flow adapter: guided velocity, one text encoding per prompt, LoRA
   auto pr = std::make_shared<df::sd3_prompts>(p, std::vector<std::string>{"a photo of a cat", "A thick   SEVEN, 7!"});
   auto model = adapter(p, pr, 4.0);
   static_assert(VelocityModel<sd3_model> && ModelAdapter<sd3_model>);
+  static_assert(AlgorithmFor<algo::flow_grpo<>, sd3_model> && AlgorithmFor<algo::flow_dppo<sde::cps>, sd3_model> &&
+                AlgorithmFor<algo::ram<>, sd3_model> && AlgorithmFor<algo::diffusion_nft<>, sd3_model>);
   const auto x = expected("dit_x");
   const auto cond = torch::tensor({0, 1}, torch::kInt64);
   torch::Tensor v;
@@ -220,6 +224,18 @@ TEST_CASE("sd3 flow adapter: guided velocity, one text encoding per prompt, LoRA
   // A whole Flow-GRPO rollout (3 steps, guidance: 6 transformer calls of 2 + 2 rows) adds none.
   const auto b = sample_trajectory(sde::flow_grpo({.steps = 3}), model, torch::tensor({1, 0, 1}, torch::kInt64));
   CHECK(b.samples().sizes() == torch::IntArrayRef({3, 4, 8, 8}));
+  // The other velocity samplers run on it too, each replaying its own steps exactly.
+  const auto three = torch::tensor({0, 1, 0}, torch::kInt64);
+  const auto replays = [&](const auto& sampler) {
+    const auto r = sample_trajectory(sampler, model, three);
+    torch::NoGradGuard ng;
+    for (std::int64_t k = 0; k < r.steps(); ++k)
+      CHECK(torch::equal(replay_step(sampler, model, r, k).log_prob, r.log_probs.select(1, k)));
+    CHECK(torch::isfinite(r.samples()).all().item().toBool());
+  };
+  replays(sde::cps({.steps = 3}));
+  replays(sde::dance({.steps = 3}));
+  replays(ode::euler({.steps = 3, .shift = 3.0}));
   CHECK(pr->encoder_calls() == 1);
 
   // LoRA on the attention and MLP linears only: the reference (adapters off) is the base exactly.
