@@ -238,6 +238,19 @@ TEST_CASE("sd3 flow adapter: guided velocity, one text encoding per prompt, LoRA
   replays(ode::euler({.steps = 3, .shift = 3.0}));
   CHECK(pr->encoder_calls() == 1);
 
+  // A clone (the frozen reference of full fine-tuning) has its own transformer with the same
+  // weights: the same velocity, and untouched when the original's weights change.
+  {
+    torch::NoGradGuard ng;
+    auto copy = model.clone();
+    CHECK(copy.net()->transformer.ptr() != model.net()->transformer.ptr());
+    CHECK(torch::equal(copy.velocity(x, torch::full({2}, 0.25), cond), v));
+    const auto w = model.net()->transformer->proj_out->weight.clone();
+    model.net()->transformer->proj_out->weight.add_(1.0);
+    CHECK(torch::equal(copy.velocity(x, torch::full({2}, 0.25), cond), v));
+    model.net()->transformer->proj_out->weight.copy_(w);
+  }
+
   // LoRA on the attention and MLP linears only: the reference (adapters off) is the base exactly.
   const auto adapted = lora::apply(*model.net(), {.rank = 4, .alpha = 8, .targets = df::sd3_lora_targets()});
   CHECK(adapted.size() == 12 + 9);  // block 0: 8 attention + 2 x 2 MLP; the last block: no to_add_out, no ff_context
@@ -331,7 +344,7 @@ TEST_CASE("Flow-GRPO and DiffusionNFT train the SD3 transformer through LoRA", "
   }
 }
 
-TEST_CASE("export: the transformer and the pipeline reload bit-identical; the LoRA alone in diffusers' names",
+TEST_CASE("export: the transformer and the pipeline reload bit-identical, the LoRA alone in diffusers' names",
           "[diffusers][cpu]") {
   auto p = df::load_sd3(pipeline_dir());
   unirl_test::temp_dir tmp;
