@@ -83,6 +83,7 @@ outcome drive(const ur::http_read_limits& lim, const std::vector<std::pair<std::
       if (r.state() == ur::http_read_state::head) check(r.buffered() <= lim.max_header_bytes + 1);
       if (r.state() == ur::http_read_state::body) check(r.buffered() <= 2 * ur::http_request_reader::body_read_size);
       if (r.reading()) check(r.deadline() >= last_deadline);
+      if (r.expects_continue()) check(r.state() == ur::http_read_state::body && r.content_length() != std::uint64_t{0});
       settle();
     }
     if (!r.reading()) break;

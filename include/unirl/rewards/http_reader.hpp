@@ -28,6 +28,8 @@
 #include <utility>
 
 #include <boost/asio/buffer.hpp>
+#include <boost/beast/core/string.hpp>
+#include <boost/beast/http/field.hpp>
 #include <boost/beast/http/error.hpp>
 #include <boost/beast/http/message.hpp>
 #include <boost/beast/http/parser.hpp>
@@ -144,6 +146,12 @@ class http_request_reader {
     if (parser_->chunked()) return std::nullopt;
     return parser_->content_length().value_or(0);
   }
+  /// Whether the head asks for `100 Continue` before the body (`Expect: 100-continue`, as curl
+  /// sends for large bodies), and no body byte has come yet.
+  bool expects_continue() const {
+    if (state_ != http_read_state::body || body_bytes_ != 0 || !parser_) return false;
+    return boost::beast::iequals(parser_->get()[boost::beast::http::field::expect], "100-continue");
+  }
   /// Unparsed bytes held (those of a pipelined next request included).
   std::size_t buffered() const { return pending_.size(); }
   /// When the head was complete.
@@ -167,16 +175,20 @@ class http_request_reader {
       else body_bytes_ += used;
       pending_.erase(0, used);
       if (ec == http::error::need_more) ec = {};
-      if (ec) return refuse(ec);
       if (state_ == http_read_state::head) {
-        if (head_bytes_ + pending_.size() > limits_.max_header_bytes && !parser_->is_header_done())
+        // Beast bounds the request line and the fields each; the limit is on both together, and
+        // checked before Beast's own errors (413 from Content-Length, 400), so that a head over
+        // it is refused alike however its bytes arrive.
+        // (Bytes still held count while the head is incomplete; after an error, what Beast
+        // consumed is the head.)
+        const bool incomplete = !ec && !parser_->is_header_done();
+        if (head_bytes_ + (incomplete ? pending_.size() : 0) > limits_.max_header_bytes)
           return refuse(http::error::header_limit);
-        if (parser_->is_header_done()) {
-          // Beast bounds the request line and the fields each; the limit is on both together.
-          if (head_bytes_ > limits_.max_header_bytes) return refuse(http::error::header_limit);
-          state_ = http_read_state::body;
-          head_done_ = last_byte_;
-        }
+      }
+      if (ec) return refuse(ec);
+      if (state_ == http_read_state::head && parser_->is_header_done()) {
+        state_ = http_read_state::body;
+        head_done_ = last_byte_;
       }
       if (parser_->is_done()) {
         state_ = http_read_state::complete;

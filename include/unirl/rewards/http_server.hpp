@@ -335,6 +335,13 @@ class json_http_server {
                                    std::to_string(srv.body_limit_total()) + "); retry later"),
                       reader.version(), false);
         reserved = want;
+        // Admitted: a client waiting for "100 Continue" gets it now (one small write, on an
+        // idle socket buffer; should it not fit, the client sends after its own wait anyway).
+        if (reader.expects_continue()) {
+          static constexpr std::string_view cont = "HTTP/1.1 100 Continue\r\n\r\n";
+          boost::system::error_code ignored;
+          sock.write_some(boost::asio::buffer(cont.data(), cont.size()), ignored);
+        }
       }
       switch (reader.state()) {
         case http_read_state::head:

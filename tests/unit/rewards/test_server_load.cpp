@@ -235,6 +235,14 @@ double env_or(const char* name, double dflt) {
   return v && *v ? std::stod(v) : dflt;
 }
 
+// `n` scoring requests at once, each on its own connection, run to the end.
+std::vector<exchange> concurrent_requests(std::uint16_t port, int n, double timeout_s) {
+  std::vector<exchange> xs(static_cast<std::size_t>(n));
+  for (auto& x : xs) x.out = post_request();
+  run_exchanges(xs, port, timeout_s);
+  return xs;
+}
+
 double percentile(std::vector<double> v, double q) {
   std::sort(v.begin(), v.end());
   return v.empty() ? 0 : v[static_cast<std::size_t>(q * static_cast<double>(v.size() - 1) + 0.5)];
@@ -320,10 +328,8 @@ TEST_CASE("a burst of 1,000 concurrent requests is queued and answered, none ref
   child_server server{o};
   (void)ordinary_requests(server.url(), 20);
   const auto threads0 = server.threads(), files0 = server.open_files();
-  std::vector<exchange> xs(burst);
-  for (auto& x : xs) x.out = post_request();
   const auto t0 = steady::now();
-  run_exchanges(xs, server.port, 30.0);
+  const auto xs = concurrent_requests(server.port, burst, 30.0);
   const double wall = since(t0);
   const auto threads1 = server.threads();
   int ok = 0, busy = 0, other = 0;
@@ -455,11 +461,8 @@ TEST_CASE("503 only past queue_depth, with Retry-After; the body budget and head
     o.queue_depth = 4;
     reward_server server{equal_scorer{.delay_s = 0.3}, o};
     server.start();
-    std::vector<exchange> xs(10);
-    for (auto& x : xs) x.out = post_request();
-    run_exchanges(xs, server.port(), 10.0);
     int ok = 0, busy = 0;
-    for (const auto& x : xs) {
+    for (const auto& x : concurrent_requests(server.port(), 10, 10.0)) {
       if (x.status() == 200) ++ok;
       if (x.status() == 503) {
         ++busy;
@@ -472,10 +475,7 @@ TEST_CASE("503 only past queue_depth, with Retry-After; the body budget and head
     o.queue_depth = 16;
     reward_server deep{equal_scorer{.delay_s = 0.05}, o};
     deep.start();
-    std::vector<exchange> ys(10);
-    for (auto& y : ys) y.out = post_request();
-    run_exchanges(ys, deep.port(), 10.0);
-    for (const auto& y : ys) CHECK(y.status() == 200);
+    for (const auto& y : concurrent_requests(deep.port(), 10, 10.0)) CHECK(y.status() == 200);
   }
   SECTION("body budget") {
     server_options o;
@@ -514,6 +514,35 @@ TEST_CASE("503 only past queue_depth, with Retry-After; the body budget and head
     const auto first = xs[1].in.find(R"({"rewards":[1.0,0.0]})"), health = xs[1].in.find(R"({"status": "ok"})"),
                last = xs[1].in.rfind(R"({"rewards":[1.0,0.0]})");
     CHECK((first != std::string::npos && health != std::string::npos && first < health && health < last));
+  }
+  SECTION("Expect: 100-continue is answered before the body is sent") {
+    reward_server server{equal_scorer{}};
+    server.start();
+    const int fd = open_socket(server.port());
+    pollfd p{fd, POLLOUT, 0};
+    ::poll(&p, 1, 1000);
+    const std::string head = "POST /score HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: " +
+                             std::to_string(body.size()) + "\r\n\r\n";
+    REQUIRE(::send(fd, head.data(), head.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(head.size()));
+    std::string in;
+    auto receive_until = [&](const std::string& what) {
+      const auto t0 = steady::now();
+      while (in.find(what) == std::string::npos && since(t0) < 2) {
+        pollfd q{fd, POLLIN, 0};
+        char buf[256];
+        if (::poll(&q, 1, 50) <= 0) continue;
+        const auto n = ::recv(fd, buf, sizeof buf, 0);
+        if (n <= 0) break;
+        in.append(buf, static_cast<std::size_t>(n));
+      }
+      return since(t0);
+    };
+    CHECK(receive_until("\r\n\r\n") < 0.5);  // not a client's 1 s wait
+    CHECK(in == "HTTP/1.1 100 Continue\r\n\r\n");
+    REQUIRE(::send(fd, body.data(), body.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(body.size()));
+    receive_until(R"({"rewards":[1.0,0.0]})");
+    CHECK_THAT(in, Catch::Contains("HTTP/1.1 200") && Catch::EndsWith(R"({"rewards":[1.0,0.0]})"));
+    ::close(fd);
   }
 }
 
