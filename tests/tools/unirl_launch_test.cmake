@@ -16,27 +16,28 @@ foreach(v TOOL CASE)
 endforeach()
 find_program(SH sh REQUIRED)
 
+# (in a function, after execute_process(... rc out err) started at t0: <var>_rc, _out, _err and
+# _secs, the wall time, in the caller)
+macro(return_run out_var)
+  string(TIMESTAMP t1 "%s")
+  math(EXPR secs "${t1} - ${t0}")
+  set(${out_var}_rc "${rc}" PARENT_SCOPE)
+  set(${out_var}_out "${out}" PARENT_SCOPE)
+  set(${out_var}_err "${err}" PARENT_SCOPE)
+  set(${out_var}_secs "${secs}" PARENT_SCOPE)
+endmacro()
+
 function(launch out_var)
   string(TIMESTAMP t0 "%s")
   execute_process(COMMAND "${TOOL}" ${ARGN} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err TIMEOUT 60)
-  string(TIMESTAMP t1 "%s")
-  math(EXPR secs "${t1} - ${t0}")
-  set(${out_var}_rc "${rc}" PARENT_SCOPE)
-  set(${out_var}_out "${out}" PARENT_SCOPE)
-  set(${out_var}_err "${err}" PARENT_SCOPE)
-  set(${out_var}_secs "${secs}" PARENT_SCOPE)
+  return_run(${out_var})
 endfunction()
 
-# run_sh(<var> <script>): runs the shell script, sets <var>_rc, _out, _err and _secs (wall time).
+# run_sh(<var> <script>): runs the shell script (semicolons and all), as launch() sets <var>_*.
 function(run_sh out_var script)
   string(TIMESTAMP t0 "%s")
   execute_process(COMMAND ${SH} -c "${script}" RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err TIMEOUT 120)
-  string(TIMESTAMP t1 "%s")
-  math(EXPR secs "${t1} - ${t0}")
-  set(${out_var}_rc "${rc}" PARENT_SCOPE)
-  set(${out_var}_out "${out}" PARENT_SCOPE)
-  set(${out_var}_err "${err}" PARENT_SCOPE)
-  set(${out_var}_secs "${secs}" PARENT_SCOPE)
+  return_run(${out_var})
 endfunction()
 
 # expect(<message> <condition...>): fails with the message unless the if() condition holds.
