@@ -28,8 +28,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
-#include <functional>
-#include <sstream>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
@@ -40,6 +39,8 @@
 #include <unirl/rewards/http_server.hpp>
 #include <unirl/rewards/remote.hpp>
 #include <unirl/rewards/server.hpp>
+
+#include "forked_server.hpp"
 
 namespace server_load {
 using namespace unirl::rewards;
@@ -66,45 +67,19 @@ std::string post_request(const std::string& b = body) {
          "Content-Length: " + std::to_string(b.size()) + "\r\n\r\n" + b;
 }
 
-// A reward server in a forked child; killed with the object. The child writes its port to a
-// pipe; with `until_signal` it serves until SIGINT / SIGTERM (serve_until_signal) and exits 0.
-struct child_server {
-  pid_t pid = -1;
-  std::uint16_t port = 0;
-  child_server(server_options o, equal_scorer scorer = {}, bool until_signal = false) {
-    int fds[2];
-    REQUIRE(::pipe(fds) == 0);
-    pid = ::fork();
-    REQUIRE(pid >= 0);
-    if (pid == 0) {
-      ::close(fds[0]);
-      int code = 0;
-      try {
-        o.log_errors = false;
-        reward_server server{scorer, o};
-        server.start();
-        const std::uint16_t p = server.port();
-        if (::write(fds[1], &p, sizeof p) != sizeof p) ::_exit(4);
-        if (until_signal) {
-          code = serve_until_signal(server) == SIGTERM ? 0 : 5;
-        } else {
-          for (;;) ::pause();
-        }
-      } catch (...) {
-        ::_exit(3);
-      }
-      ::_exit(code);
-    }
-    ::close(fds[1]);
-    REQUIRE(::read(fds[0], &port, sizeof port) == static_cast<ssize_t>(sizeof port));
-    ::close(fds[0]);
-  }
-  ~child_server() {
-    if (pid > 0) {
-      ::kill(pid, SIGKILL);
-      ::waitpid(pid, nullptr, 0);
-    }
-  }
+// A reward server in a forked child; killed with the object. With `until_signal` it serves
+// until SIGINT / SIGTERM (serve_until_signal) and exits 0 for SIGTERM.
+struct child_server : rewards_test::forked_server {
+  child_server(server_options o, equal_scorer scorer = {}, bool until_signal = false)
+      : forked_server([o, scorer, until_signal](int fd) mutable {
+          o.log_errors = false;
+          reward_server server{scorer, o};
+          server.start();
+          rewards_test::write_value(fd, server.port());
+          if (!until_signal)
+            for (;;) ::pause();
+          if (serve_until_signal(server) != SIGTERM) throw std::runtime_error("stopped, but not by SIGTERM");
+        }) {}
   // Waits up to `timeout_s` for the child's exit; its wait status, or -1.
   int wait_exit(double timeout_s) {
     const auto t0 = steady::now();
@@ -118,8 +93,6 @@ struct child_server {
     }
     return -1;
   }
-  std::string url() const { return "http://127.0.0.1:" + std::to_string(port) + "/score"; }
-
   // From /proc/<pid>/status: "Threads" or "VmRSS" (kB).
   std::int64_t status_field(const std::string& key) const {
     std::ifstream in("/proc/" + std::to_string(pid) + "/status");
