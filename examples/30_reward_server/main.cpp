@@ -5,11 +5,12 @@
 //
 //   reward_server server.port=8000 server.host=0.0.0.0 reward.weights=[1,0.2,1] overlong.max_length=64
 //   reward_server --self-test        # serve on an ephemeral port, score a batch remotely, compare
-//   reward_server server.max_connections=128 server.read_timeout_s=10 server.max_body_bytes=67108864
+//   reward_server server.max_connections=8192 server.queue_depth=4096 server.max_body_bytes=67108864
+//
+// SIGINT / SIGTERM stop it cleanly: it stops accepting, answers the requests it holds, prints
+// how many it served and exits 0; a second signal while it stops exits at once (128 + signal).
 //
 // Then, from a trainer: `remote_scorer{{.url = "http://<host>:8000/score"}}` as the reward.
-#include <signal.h>
-
 #include <chrono>
 #include <cstdio>
 #include <iostream>
@@ -109,21 +110,13 @@ int main(int argc, char** argv) {
     }
     if (test) return self_test(o);
 
-    // Block SIGINT / SIGTERM in every thread, then wait for them here to stop cleanly.
-    sigset_t stop_signals;
-    sigemptyset(&stop_signals);
-    sigaddset(&stop_signals, SIGINT);
-    sigaddset(&stop_signals, SIGTERM);
-    pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
     rw::reward_server server{make_reward(o), o.server};
     server.start();
     std::cout << unirl::options::to_string(o) << "reward server listening on " << server.url()
               << " (POST JSON; GET /health); Ctrl-C stops it\n"
               << std::flush;
-    int sig = 0;
-    sigwait(&stop_signals, &sig);
-    server.stop();
-    std::cout << "stopped after " << server.served() << " requests\n";
+    const int sig = rw::serve_until_signal(server);  // then stopped: every request held was answered
+    std::cout << "signal " << sig << ": stopped after " << server.served() << " requests\n";
     return 0;
   } catch (const std::exception& e) {
     std::cerr << e.what() << "\n";

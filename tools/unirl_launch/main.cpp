@@ -8,10 +8,12 @@
 //   MASTER_ADDR = A (default 127.0.0.1), MASTER_PORT = P (default, or 0 on one node: a free port)
 // — the variables `c10d_transport::from_environment` and `data_parallel::from_environment` read,
 // as torchrun sets them. `--tag-output` prefixes every line a process writes with `[rank R] `.
-// SIGINT / SIGTERM / SIGHUP are forwarded to every process. When a process exits with a non-zero
-// status (or is killed by a signal), the others get SIGTERM, then SIGKILL after `--grace`
-// seconds (default 5), and unirl-launch exits with that status (128 + signal for a signal),
-// naming the rank. Pure C++ / POSIX: no LibTorch (docs/parallel.md, "Launching").
+// SIGINT / SIGTERM / SIGHUP are forwarded to every process, which then have `--grace` seconds
+// (default 5) to stop cleanly before SIGKILL; how each ended is printed, and unirl-launch exits
+// with 128 + the signal. A second signal SIGKILLs them at once. When a process exits with a
+// non-zero status (or is killed by a signal), the others get SIGTERM, then SIGKILL after
+// `--grace` seconds, and unirl-launch exits with that status (128 + signal for a signal), naming
+// the rank. Pure C++ / POSIX: no LibTorch (docs/parallel.md, "Launching").
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netinet/in.h>
@@ -318,7 +320,7 @@ int run(const options& o) {
 
   using clock = std::chrono::steady_clock;
   std::optional<clock::time_point> kill_at;  // SIGKILL the rest then
-  int result = 0;
+  int result = 0, signals = 0;
   bool failed = false;
   for (;;) {
     std::vector<pollfd> fds{{signal_pipe[0], POLLIN, 0}};
@@ -330,8 +332,13 @@ int run(const options& o) {
 
     unsigned char s = 0;
     while (read(signal_pipe[0], &s, 1) == 1) {
+      if (++signals > 1) {
+        std::cerr << "unirl-launch: second signal " << int(s) << " (" << strsignal(s) << "): SIGKILL to the processes\n";
+        signal_all(cs, SIGKILL);
+        continue;
+      }
       std::cerr << "unirl-launch: got signal " << int(s) << " (" << strsignal(s) << "); forwarding it to the "
-                << "processes\n";
+                << "processes (SIGKILL after " << o.grace << " s)\n";
       signal_all(cs, s);
       if (!failed) result = 128 + s;
       if (!kill_at) kill_at = clock::now() + std::chrono::duration_cast<clock::duration>(std::chrono::duration<double>(o.grace));
@@ -349,6 +356,8 @@ int run(const options& o) {
       if (p == c.pid) {
         c.running = false;
         c.status = st;
+        if (signals > 0)
+          std::cerr << "unirl-launch: rank " << c.rank << " (pid " << c.pid << ") " << describe(st) << "\n";
         const bool bad = !(WIFEXITED(st) && WEXITSTATUS(st) == 0);
         if (bad && !failed && !kill_at) {
           failed = true;

@@ -43,6 +43,7 @@
 #include <unirl/trainer.hpp>
 
 #include "common/bandit.hpp"
+#include "forked_server.hpp"
 #include "test_batches.hpp"
 
 using namespace unirl::rewards;
@@ -534,59 +535,8 @@ std::string failure_of(F f) {
   return "";
 }
 
-// A reward server in a child process, so that a crash — the defect under test — fails the test
-// instead of killing the test binary. `host(fd)` runs in the child: it starts a server, writes
-// its port to fd, and may write more (see `read_value`). The child is killed with the object.
-struct forked_server {
-  pid_t pid = -1;
-  int fd = -1;
-  int status = 0;
-  std::uint16_t port = 0;
-  template <class F>
-  explicit forked_server(F host) {
-    int fds[2];
-    REQUIRE(::pipe(fds) == 0);
-    pid = ::fork();
-    REQUIRE(pid >= 0);
-    if (pid == 0) {
-      ::close(fds[0]);
-      try {
-        host(fds[1]);
-      } catch (...) {
-        ::_exit(3);
-      }
-      ::_exit(0);
-    }
-    ::close(fds[1]);
-    fd = fds[0];
-    port = read_value<std::uint16_t>();
-    REQUIRE(port != 0);
-  }
-  template <class T>
-  T read_value() {
-    T v{};
-    return ::read(fd, &v, sizeof v) == static_cast<ssize_t>(sizeof v) ? v : T{};
-  }
-  bool alive() {
-    if (pid <= 0) return false;
-    if (::waitpid(pid, &status, WNOHANG) == 0) return true;
-    pid = -1;
-    return false;
-  }
-  std::string url() const { return "http://127.0.0.1:" + std::to_string(port) + "/score"; }
-  ~forked_server() {
-    if (pid > 0) {
-      ::kill(pid, SIGKILL);
-      ::waitpid(pid, nullptr, 0);
-    }
-    if (fd >= 0) ::close(fd);
-  }
-};
-
-template <class T>
-void write_value(int fd, const T& v) {
-  if (::write(fd, &v, sizeof v) != static_cast<ssize_t>(sizeof v)) ::_exit(4);
-}
+using rewards_test::forked_server;
+using rewards_test::write_value;
 
 // Threads of this process.
 std::size_t thread_count() {
