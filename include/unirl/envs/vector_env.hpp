@@ -10,6 +10,12 @@
 /// state and generator, the episode accumulators and records, the running statistics — so a run
 /// resumed with `trainer::load(path, venv)` continues bit for bit.
 ///
+/// Two ways to step: `step(tensor)` returns tensors; `step(actions, rewards, dones)` reads and
+/// writes plain buffers (the observations are `observation_data()`), allocates nothing, and gives
+/// the same numbers bit for bit — what the small-network path (`ppo_agent`, exec::small_net)
+/// uses. With `threads` > 1 the copies of a costly simulator step concurrently, with results
+/// independent of the thread count (each copy must own its state: copies of `E` share nothing).
+///
 /// ```cpp
 /// unirl::envs::vector_env<unirl::envs::cartpole> venv({}, {.num_envs = 4, .seed = 1});
 /// auto obs = venv.observations();                          // (4, 4) float
@@ -21,8 +27,10 @@
 #include <array>
 #include <cmath>
 #include <cstdint>
+#include <exception>
 #include <limits>
 #include <string>
+#include <thread>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -48,9 +56,13 @@ struct vector_env_options {
   bool normalize_reward = false;      // rewards / std of the discounted return
   double reward_gamma = 0.99;         // discount of that return
   double reward_clip = 10.0;          // |normalised reward| <= this
+  std::int64_t threads = 1;           // > 1: the copies step on this many threads (one per contiguous
+                                      // share, started per step: for simulators whose step costs more
+                                      // than tens of microseconds); the results do not depend on it
 
   void validate(const std::string& prefix) const {
     options::require(num_envs >= 1, prefix + "num_envs", num_envs, ">= 1");
+    options::require(threads >= 1, prefix + "threads", threads, ">= 1");
     options::require(observation_clip > 0, prefix + "observation_clip", observation_clip, "> 0");
     options::require(reward_gamma >= 0 && reward_gamma <= 1, prefix + "reward_gamma", reward_gamma, "in [0, 1]");
     options::require(reward_clip > 0, prefix + "reward_clip", reward_clip, "> 0");
@@ -60,7 +72,7 @@ struct vector_env_options {
 }  // namespace unirl::envs
 
 BOOST_HANA_ADAPT_STRUCT(unirl::envs::vector_env_options, num_envs, seed, clip_actions, normalize_observation,
-                        observation_clip, normalize_reward, reward_gamma, reward_clip);
+                        observation_clip, normalize_reward, reward_gamma, reward_clip, threads);
 
 namespace unirl::envs {
 
@@ -373,11 +385,16 @@ class vector_env {
   }
 
   // Steps copy i with actions[i * action_components ...], writing its raw reward, done flag and
-  // terminated / truncated flags, recording a finished episode and auto-resetting.
+  // terminated / truncated flags, recording a finished episode and auto-resetting. With
+  // `threads` > 1 the copies are split into that many contiguous shares stepped concurrently
+  // (each copy touches only its own state and rows), and the finished episodes are recorded
+  // afterwards in copy order — the order of the sequential loop — so nothing depends on it.
   template <class Flag>
   void step_copies(const action_scalar* actions, double* rw, float* dn, Flag* tm, Flag* tr) {
     const auto n = opts_.num_envs;
-    for (std::int64_t i = 0; i < n; ++i) {
+    const auto workers = std::min<std::int64_t>(opts_.threads, n);
+    if (ended_.size() != static_cast<std::size_t>(n)) ended_.assign(static_cast<std::size_t>(n), 0);
+    auto one = [&](std::int64_t i) {
       auto& env = envs_[static_cast<std::size_t>(i)];
       step_result<typename E::observation_type> r;
       if constexpr (discrete) {
@@ -395,9 +412,12 @@ class vector_env {
       rw[i] = r.reward;
       tm[i] = r.terminated;
       tr[i] = r.truncated;
+      ended_[k] = 0;
       if (r.terminated || r.truncated) {
         dn[i] = 1.0f;
-        episodes_.push_back({returns_[k], lengths_[k], i});
+        ended_[k] = 1;
+        ended_return_[k] = returns_[k];
+        ended_length_[k] = lengths_[k];
         returns_[k] = 0.0;
         lengths_[k] = 0;
         ++episode_counter_[k];
@@ -405,8 +425,40 @@ class vector_env {
       } else {
         write_obs(k, r.observation);
       }
+    };
+    ended_return_.resize(static_cast<std::size_t>(n));
+    ended_length_.resize(static_cast<std::size_t>(n));
+    if (workers <= 1) {
+      for (std::int64_t i = 0; i < n; ++i) {
+        one(i);
+        if (ended_[static_cast<std::size_t>(i)]) record_episode(i);
+      }
+    } else {
+      std::vector<std::exception_ptr> errors(static_cast<std::size_t>(workers));
+      {
+        std::vector<std::jthread> pool;
+        pool.reserve(static_cast<std::size_t>(workers));
+        for (std::int64_t w = 0; w < workers; ++w)
+          pool.emplace_back([&, w] {
+            try {
+              for (std::int64_t i = w * n / workers; i < (w + 1) * n / workers; ++i) one(i);
+            } catch (...) {
+              errors[static_cast<std::size_t>(w)] = std::current_exception();
+            }
+          });
+      }  // joined
+      for (std::int64_t i = 0; i < n; ++i)
+        if (ended_[static_cast<std::size_t>(i)]) record_episode(i);
+      for (const auto& e : errors)
+        if (e) std::rethrow_exception(e);
     }
     env_steps_ += n;
+  }
+
+  void record_episode(std::int64_t i) {
+    const auto k = static_cast<std::size_t>(i);
+    episodes_.push_back({ended_return_[k], ended_length_[k], i});
+    ended_[k] = 0;
   }
 
   // The plain path's normalise_obs: the same double arithmetic, element by element.
@@ -478,6 +530,10 @@ class vector_env {
   // Scratch of the plain step (sized once).
   std::vector<double> plain_rewards_, plain_disc_;
   std::vector<std::uint8_t> plain_term_, plain_trunc_;
+  // Episodes that ended in the current step, per copy (recorded in copy order after it).
+  std::vector<std::uint8_t> ended_;
+  std::vector<double> ended_return_;
+  std::vector<std::int64_t> ended_length_;
 };
 
 }  // namespace unirl::envs

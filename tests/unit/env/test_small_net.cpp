@@ -311,6 +311,44 @@ TEST_CASE("vector_env: the plain-buffer step equals the tensor step bit for bit"
   }
 }
 
+TEST_CASE("vector_env: stepping on threads gives the results of one thread", "[cpu][env][small_net]") {
+  auto run = [](std::int64_t threads) {
+    unirl::envs::vector_env<unirl::envs::pendulum> v(
+        unirl::envs::pendulum(37),  // short episodes: many end inside the run
+        {.num_envs = 7, .seed = 5, .normalize_observation = true, .normalize_reward = true, .threads = threads});
+    std::mt19937_64 g(3);
+    std::normal_distribution<float> n(0.0f, 1.5f);
+    std::vector<float> act(7), rw(7), dn(7), trace;
+    for (int t = 0; t < 200; ++t) {
+      for (auto& a : act) a = n(g);
+      v.step(act.data(), rw.data(), dn.data());
+      trace.insert(trace.end(), rw.begin(), rw.end());
+      trace.insert(trace.end(), v.observation_data(), v.observation_data() + 7 * 3);
+    }
+    std::vector<double> eps;
+    for (const auto& e : v.episodes()) {
+      eps.push_back(e.episode_return);
+      eps.push_back(static_cast<double>(e.env_index));
+    }
+    return std::pair{trace, eps};
+  };
+  const auto one = run(1);
+  CHECK(one.second.size() / 2 == 35);  // 7 copies x 5 episodes of 37 steps
+  for (std::int64_t threads : {2, 3, 7, 16}) {
+    INFO(threads << " threads");
+    const auto many = run(threads);
+    CHECK(many.first == one.first);
+    CHECK(many.second == one.second);
+  }
+  CHECK_THROWS_WITH((unirl::envs::vector_env<unirl::envs::cartpole>({}, {.threads = 0})),
+                    Catch::Matchers::Contains("threads"));
+  // An error on a worker reaches the caller.
+  unirl::envs::vector_env<unirl::envs::cartpole> v({}, {.num_envs = 4, .threads = 2});
+  const std::int64_t bad[4] = {0, 1, 5, 0};
+  std::vector<float> rw(4), dn(4);
+  CHECK_THROWS_WITH(v.step(bad, rw.data(), dn.data()), Catch::Matchers::Contains("action = 5"));
+}
+
 namespace {
 
 using cartpole_agent = unirl::ppo_agent<unirl::models::categorical, unirl::envs::cartpole>;
