@@ -10,12 +10,9 @@ env with auto-reset and episode statistics are written out below with Gym's dyna
     python3 cleanrl_cartpole.py --total-timesteps 500000 --seed 1 --out summary.json
 """
 import argparse
-import json
 import math
-import random
 
 import numpy as np
-import torch
 import torch.nn as nn
 from torch.distributions.categorical import Categorical
 
@@ -63,32 +60,16 @@ class CartPole:
         return np.array(self.state, dtype=np.float32), 1.0, terminated, truncated
 
 
-class SyncVectorEnv:
-    """N copies stepped in turn; auto-reset; records finished episodes' return and length."""
+class SyncVectorEnv(cleanrl_ppo.SyncVectorEnv):
+    """N copies of CartPole; auto-reset; episode statistics."""
 
     def __init__(self, n, seed):
-        self.envs = [CartPole() for _ in range(n)]
-        self.returns = np.zeros(n)
-        self.lengths = np.zeros(n, dtype=np.int64)
-        self.episodes = []
-        self.obs = np.stack([e.reset(seed + i) for i, e in enumerate(self.envs)])
+        super().__init__([CartPole() for _ in range(n)], seed)
+        self.obs = self.raw_obs
 
     def step(self, actions):
-        rewards = np.zeros(len(self.envs), dtype=np.float32)
-        dones = np.zeros(len(self.envs), dtype=np.float32)
-        for i, (env, a) in enumerate(zip(self.envs, actions)):
-            obs, r, term, trunc = env.step(int(a))
-            rewards[i] = r
-            self.returns[i] += r
-            self.lengths[i] += 1
-            if term or trunc:
-                dones[i] = 1.0
-                self.episodes.append((self.returns[i], int(self.lengths[i])))
-                self.returns[i] = 0.0
-                self.lengths[i] = 0
-                obs = env.reset()
-            self.obs[i] = obs
-        return self.obs.copy(), rewards, dones
+        obs, rewards, dones = self.step_raw([int(a) for a in actions])
+        return obs, rewards.astype(np.float32), dones
 
 
 class Agent(nn.Module):
@@ -120,25 +101,13 @@ def main():
     num_minibatches, update_epochs, clip_coef, ent_coef, vf_coef, max_grad_norm = 4, 4, 0.2, 0.01, 0.5, 0.5
     num_iterations = args.total_timesteps // (num_envs * num_steps)
 
-    random.seed(args.seed)
-    np.random.seed(args.seed)
-    torch.manual_seed(args.seed)
-    torch.set_num_threads(1)
+    cleanrl_ppo.seed_everything(args.seed)
 
     envs = SyncVectorEnv(num_envs, args.seed)
     global_step, seconds = cleanrl_ppo.train(envs, Agent(), 4, (), num_envs, num_steps, num_iterations, lr, gamma, lam,
                                              num_minibatches, update_epochs, clip_coef, ent_coef, vf_coef,
                                              max_grad_norm, discrete=True)
-    last = envs.episodes[-20:]
-    summary = {"env": "CartPole-v1", "implementation": "python-cleanrl", "seed": args.seed,
-               "final_mean_return": float(np.mean([e[0] for e in last])) if last else float("nan"),
-               "episodes": len(envs.episodes), "env_steps": global_step, "seconds": seconds,
-               "steps_per_second": global_step / seconds, "torch": torch.__version__}
-    print(json.dumps(summary, indent=2))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(summary, f, indent=2)
-
+    cleanrl_ppo.write_summary(envs, {"env": "CartPole-v1", "seed": args.seed}, global_step, seconds, args.out)
 
 if __name__ == "__main__":
     main()

@@ -14,9 +14,7 @@ lr 1e-3).
     python3 cleanrl_pendulum.py --total-timesteps 1000000 --seed 1 --out summary.json
 """
 import argparse
-import json
 import math
-import random
 
 import numpy as np
 import torch
@@ -75,43 +73,24 @@ class RunningMeanStd:
         self.count = tot
 
 
-class SyncVectorEnv:
-    """N copies stepped in turn; auto-reset; episode statistics on the raw rewards; then
-    NormalizeObservation and NormalizeReward over the vector (as Gym's wrappers on a vector env)."""
+class SyncVectorEnv(cleanrl_ppo.SyncVectorEnv):
+    """N copies of Pendulum stepped in turn; auto-reset; episode statistics on the raw rewards;
+    then NormalizeObservation and NormalizeReward over the vector (as Gym's wrappers on a vector env)."""
 
     def __init__(self, n, seed, gamma):
-        self.envs = [Pendulum() for _ in range(n)]
-        self.returns = np.zeros(n)
-        self.lengths = np.zeros(n, dtype=np.int64)
-        self.episodes = []
+        super().__init__([Pendulum() for _ in range(n)], seed)
         self.obs_rms, self.ret_rms = RunningMeanStd((3,)), RunningMeanStd(())
         self.discounted = np.zeros(n)
         self.gamma = gamma
-        raw = np.stack([e.reset(seed + i) for i, e in enumerate(self.envs)])
-        self.obs_rms.update(raw)
-        self.obs = self._norm_obs(raw)
+        self.obs_rms.update(self.raw_obs)
+        self.obs = self._norm_obs(self.raw_obs)
 
     def _norm_obs(self, raw):
         z = (raw - self.obs_rms.mean) / np.sqrt(self.obs_rms.var + 1e-8)
         return np.clip(z, -10, 10).astype(np.float32)
 
     def step(self, actions):
-        n = len(self.envs)
-        raw = np.zeros((n, 3), dtype=np.float32)
-        rewards = np.zeros(n)
-        dones = np.zeros(n, dtype=np.float32)
-        for i, (env, a) in enumerate(zip(self.envs, actions)):
-            obs, r, term, trunc = env.step(a[0])
-            rewards[i] = r
-            self.returns[i] += r
-            self.lengths[i] += 1
-            if term or trunc:
-                dones[i] = 1.0
-                self.episodes.append((self.returns[i], int(self.lengths[i])))
-                self.returns[i] = 0.0
-                self.lengths[i] = 0
-                obs = env.reset()
-            raw[i] = obs
+        raw, rewards, dones = self.step_raw([a[0] for a in actions])
         self.obs_rms.update(raw)
         self.obs = self._norm_obs(raw)
         self.discounted = self.discounted * self.gamma + rewards
@@ -156,25 +135,13 @@ def main():
     lam, num_minibatches, update_epochs, clip_coef, ent_coef, vf_coef, max_grad_norm = 0.95, 32, 10, 0.2, 0.0, 0.5, 0.5
     num_iterations = args.total_timesteps // (num_envs * num_steps)
 
-    random.seed(args.seed)
-    np.random.seed(args.seed)
-    torch.manual_seed(args.seed)
-    torch.set_num_threads(1)
+    cleanrl_ppo.seed_everything(args.seed)
 
     envs = SyncVectorEnv(num_envs, args.seed, gamma)
     global_step, seconds = cleanrl_ppo.train(envs, Agent(), 3, (1,), num_envs, num_steps, num_iterations, lr, gamma,
                                              lam, num_minibatches, update_epochs, clip_coef, ent_coef, vf_coef,
                                              max_grad_norm, discrete=False)
-    last = envs.episodes[-20:]
-    summary = {"env": "Pendulum-v1", "implementation": "python-cleanrl", "preset": args.preset, "seed": args.seed,
-               "final_mean_return": float(np.mean([e[0] for e in last])) if last else float("nan"),
-               "episodes": len(envs.episodes), "env_steps": global_step, "seconds": seconds,
-               "steps_per_second": global_step / seconds, "torch": torch.__version__}
-    print(json.dumps(summary, indent=2))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(summary, f, indent=2)
-
+    cleanrl_ppo.write_summary(envs, {"env": "Pendulum-v1", "preset": args.preset, "seed": args.seed}, global_step, seconds, args.out)
 
 if __name__ == "__main__":
     main()

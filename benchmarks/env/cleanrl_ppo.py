@@ -3,12 +3,44 @@
 cleanrl_pendulum.py: rollout with the agent, GAE, epochs x minibatches of the clipped surrogate,
 clipped value loss and entropy bonus, gradient clipping and Adam with the learning rate annealed
 linearly, exactly as CleanRL writes it."""
+import json
+import random
 import time
 
 import numpy as np
 import torch
 import torch.nn as nn
 import torch.optim as optim
+
+
+class SyncVectorEnv:
+    """N copies stepped in turn with auto-reset, recording each finished episode's raw return and
+    length (Gym's SyncVectorEnv with RecordEpisodeStatistics). `step_raw` returns the raw next
+    observations (float32), rewards (float64) and done flags (float32)."""
+
+    def __init__(self, envs, seed):
+        self.envs = envs
+        self.returns = np.zeros(len(envs))
+        self.lengths = np.zeros(len(envs), dtype=np.int64)
+        self.episodes = []
+        self.raw_obs = np.stack([e.reset(seed + i) for i, e in enumerate(envs)])
+
+    def step_raw(self, actions):
+        rewards = np.zeros(len(self.envs))
+        dones = np.zeros(len(self.envs), dtype=np.float32)
+        for i, (env, a) in enumerate(zip(self.envs, actions)):
+            obs, r, term, trunc = env.step(a)
+            rewards[i] = r
+            self.returns[i] += r
+            self.lengths[i] += 1
+            if term or trunc:
+                dones[i] = 1.0
+                self.episodes.append((self.returns[i], int(self.lengths[i])))
+                self.returns[i] = 0.0
+                self.lengths[i] = 0
+                obs = env.reset()
+            self.raw_obs[i] = obs
+        return self.raw_obs.copy(), rewards, dones
 
 
 def layer_init(layer, std=np.sqrt(2), bias_const=0.0):
@@ -90,3 +122,25 @@ def train(envs, agent, obs_dim, action_shape, num_envs, num_steps, num_iteration
                 nn.utils.clip_grad_norm_(agent.parameters(), max_grad_norm)
                 optimizer.step()
     return global_step, time.time() - start
+
+
+def seed_everything(seed):
+    """CleanRL's seeding, and one LibTorch thread (as the C++ side runs)."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    torch.set_num_threads(1)
+
+
+def write_summary(envs, fields, global_step, seconds, out):
+    """Prints (and writes to `out` when given) the run's summary: `fields`, the mean return of
+    the last 20 episodes, the episode and step counts, the seconds and steps per second."""
+    last = envs.episodes[-20:]
+    summary = dict(fields, implementation="python-cleanrl",
+                   final_mean_return=float(np.mean([e[0] for e in last])) if last else float("nan"),
+                   episodes=len(envs.episodes), env_steps=global_step, seconds=seconds,
+                   steps_per_second=global_step / seconds, torch=torch.__version__)
+    print(json.dumps(summary, indent=2))
+    if out:
+        with open(out, "w") as f:
+            json.dump(summary, f, indent=2)
