@@ -246,6 +246,7 @@ class ppo_agent {
       step_ = step;
       rng_ = g;
       collected_ = false;
+      resumed_ = true;
     }
   }
 
@@ -283,7 +284,6 @@ class ppo_agent {
     models::copy_parameters(policy_, *net_);
     adam_.emplace(net_->parameter_count(), opts_.optim.beta1, opts_.optim.beta2, opts_.optim.eps);
     rng_.seed(static_cast<std::uint64_t>(opts_.seed));
-    if (!opts_.metrics_path.empty()) metrics_.emplace(opts_.metrics_path);
   }
 
   // Sizes the rollout buffers for `n` copies (once; again only if the copy count changes).
@@ -429,6 +429,8 @@ class ppo_agent {
     skipped_total_ += s.skipped_updates;
     s.skipped_total = skipped_total_;
     ++step_;
+    // Opened at the first update (as the trainer does): appended to after a load, else truncated.
+    if (!opts_.metrics_path.empty() && !metrics_) metrics_.emplace(opts_.metrics_path, resumed_);
     if (metrics_) metrics_->write(s.to_json());
     return s;
   }
@@ -459,7 +461,7 @@ class ppo_agent {
   std::mt19937_64 rng_;
   std::optional<train::metrics_writer> metrics_;
   std::int64_t step_ = 0, num_envs_ = 0, skipped_total_ = 0;
-  bool collected_ = false;
+  bool collected_ = false, resumed_ = false;
   std::map<std::string, double> pending_;  // figures of the last collect
   std::vector<float> obs_, rewards_, dones_, next_done_;
   std::vector<action_scalar> actions_;
