@@ -10,16 +10,14 @@ env with auto-reset and episode statistics are written out below with Gym's dyna
     python3 cleanrl_cartpole.py --total-timesteps 500000 --seed 1 --out summary.json
 """
 import argparse
-import json
 import math
-import random
-import time
 
 import numpy as np
-import torch
 import torch.nn as nn
-import torch.optim as optim
 from torch.distributions.categorical import Categorical
+
+import cleanrl_ppo
+from cleanrl_ppo import layer_init
 
 
 class CartPole:
@@ -62,38 +60,16 @@ class CartPole:
         return np.array(self.state, dtype=np.float32), 1.0, terminated, truncated
 
 
-class SyncVectorEnv:
-    """N copies stepped in turn; auto-reset; records finished episodes' return and length."""
+class SyncVectorEnv(cleanrl_ppo.SyncVectorEnv):
+    """N copies of CartPole; auto-reset; episode statistics."""
 
     def __init__(self, n, seed):
-        self.envs = [CartPole() for _ in range(n)]
-        self.returns = np.zeros(n)
-        self.lengths = np.zeros(n, dtype=np.int64)
-        self.episodes = []
-        self.obs = np.stack([e.reset(seed + i) for i, e in enumerate(self.envs)])
+        super().__init__([CartPole() for _ in range(n)], seed)
+        self.obs = self.raw_obs
 
     def step(self, actions):
-        rewards = np.zeros(len(self.envs), dtype=np.float32)
-        dones = np.zeros(len(self.envs), dtype=np.float32)
-        for i, (env, a) in enumerate(zip(self.envs, actions)):
-            obs, r, term, trunc = env.step(int(a))
-            rewards[i] = r
-            self.returns[i] += r
-            self.lengths[i] += 1
-            if term or trunc:
-                dones[i] = 1.0
-                self.episodes.append((self.returns[i], int(self.lengths[i])))
-                self.returns[i] = 0.0
-                self.lengths[i] = 0
-                obs = env.reset()
-            self.obs[i] = obs
-        return self.obs.copy(), rewards, dones
-
-
-def layer_init(layer, std=np.sqrt(2), bias_const=0.0):
-    torch.nn.init.orthogonal_(layer.weight, std)
-    torch.nn.init.constant_(layer.bias, bias_const)
-    return layer
+        obs, rewards, dones = self.step_raw([int(a) for a in actions])
+        return obs, rewards.astype(np.float32), dones
 
 
 class Agent(nn.Module):
@@ -123,94 +99,15 @@ def main():
     args = p.parse_args()
     num_envs, num_steps, lr, gamma, lam = 4, 128, 2.5e-4, 0.99, 0.95
     num_minibatches, update_epochs, clip_coef, ent_coef, vf_coef, max_grad_norm = 4, 4, 0.2, 0.01, 0.5, 0.5
-    batch_size = num_envs * num_steps
-    minibatch_size = batch_size // num_minibatches
-    num_iterations = args.total_timesteps // batch_size
+    num_iterations = args.total_timesteps // (num_envs * num_steps)
 
-    random.seed(args.seed)
-    np.random.seed(args.seed)
-    torch.manual_seed(args.seed)
-    torch.set_num_threads(1)
+    cleanrl_ppo.seed_everything(args.seed)
 
     envs = SyncVectorEnv(num_envs, args.seed)
-    agent = Agent()
-    optimizer = optim.Adam(agent.parameters(), lr=lr, eps=1e-5)
-    obs = torch.zeros((num_steps, num_envs, 4))
-    actions = torch.zeros((num_steps, num_envs))
-    logprobs = torch.zeros((num_steps, num_envs))
-    rewards = torch.zeros((num_steps, num_envs))
-    dones = torch.zeros((num_steps, num_envs))
-    values = torch.zeros((num_steps, num_envs))
-
-    start = time.time()
-    global_step = 0
-    next_obs = torch.tensor(envs.obs)
-    next_done = torch.zeros(num_envs)
-    for iteration in range(1, num_iterations + 1):
-        optimizer.param_groups[0]["lr"] = (1.0 - (iteration - 1.0) / num_iterations) * lr
-        for step in range(num_steps):
-            global_step += num_envs
-            obs[step] = next_obs
-            dones[step] = next_done
-            with torch.no_grad():
-                action, logprob, _, value = agent.get_action_and_value(next_obs)
-                values[step] = value.flatten()
-            actions[step] = action
-            logprobs[step] = logprob
-            o, r, d = envs.step(action.numpy())
-            rewards[step] = torch.tensor(r)
-            next_obs, next_done = torch.tensor(o), torch.tensor(d)
-        with torch.no_grad():
-            next_value = agent.get_value(next_obs).reshape(1, -1)
-            advantages = torch.zeros_like(rewards)
-            lastgaelam = 0
-            for t in reversed(range(num_steps)):
-                if t == num_steps - 1:
-                    nextnonterminal = 1.0 - next_done
-                    nextvalues = next_value
-                else:
-                    nextnonterminal = 1.0 - dones[t + 1]
-                    nextvalues = values[t + 1]
-                delta = rewards[t] + gamma * nextvalues * nextnonterminal - values[t]
-                advantages[t] = lastgaelam = delta + gamma * lam * nextnonterminal * lastgaelam
-            returns = advantages + values
-        b_obs = obs.reshape((-1, 4))
-        b_logprobs = logprobs.reshape(-1)
-        b_actions = actions.reshape(-1)
-        b_advantages = advantages.reshape(-1)
-        b_returns = returns.reshape(-1)
-        b_values = values.reshape(-1)
-        b_inds = np.arange(batch_size)
-        for epoch in range(update_epochs):
-            np.random.shuffle(b_inds)
-            for s in range(0, batch_size, minibatch_size):
-                mb = b_inds[s:s + minibatch_size]
-                _, newlogprob, entropy, newvalue = agent.get_action_and_value(b_obs[mb], b_actions.long()[mb])
-                logratio = newlogprob - b_logprobs[mb]
-                ratio = logratio.exp()
-                mb_adv = b_advantages[mb]
-                mb_adv = (mb_adv - mb_adv.mean()) / (mb_adv.std() + 1e-8)
-                pg_loss = torch.max(-mb_adv * ratio, -mb_adv * torch.clamp(ratio, 1 - clip_coef, 1 + clip_coef)).mean()
-                newvalue = newvalue.view(-1)
-                v_unclipped = (newvalue - b_returns[mb]) ** 2
-                v_clipped = b_values[mb] + torch.clamp(newvalue - b_values[mb], -clip_coef, clip_coef)
-                v_loss = 0.5 * torch.max(v_unclipped, (v_clipped - b_returns[mb]) ** 2).mean()
-                loss = pg_loss - ent_coef * entropy.mean() + v_loss * vf_coef
-                optimizer.zero_grad()
-                loss.backward()
-                nn.utils.clip_grad_norm_(agent.parameters(), max_grad_norm)
-                optimizer.step()
-    seconds = time.time() - start
-    last = envs.episodes[-20:]
-    summary = {"env": "CartPole-v1", "implementation": "python-cleanrl", "seed": args.seed,
-               "final_mean_return": float(np.mean([e[0] for e in last])) if last else float("nan"),
-               "episodes": len(envs.episodes), "env_steps": global_step, "seconds": seconds,
-               "steps_per_second": global_step / seconds, "torch": torch.__version__}
-    print(json.dumps(summary, indent=2))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(summary, f, indent=2)
-
+    global_step, seconds = cleanrl_ppo.train(envs, Agent(), 4, (), num_envs, num_steps, num_iterations, lr, gamma, lam,
+                                             num_minibatches, update_epochs, clip_coef, ent_coef, vf_coef,
+                                             max_grad_norm, discrete=True)
+    cleanrl_ppo.write_summary(envs, {"env": "CartPole-v1", "seed": args.seed}, global_step, seconds, args.out)
 
 if __name__ == "__main__":
     main()

@@ -12,8 +12,12 @@
 // into [-2, 2], observations and rewards normalised with running statistics and clipped to
 // +-10 (Gym's ClipAction / NormalizeObservation / NormalizeReward wrappers).
 //
-//   pendulum_ppo [--preset tuned|cleanrl] [--total-steps N] [--seed 1] [--num-envs N]
-//                [--out runs/pendulum_ppo] [--save PATH] [--resume PATH] [key=value ...]
+// It trains with `unirl::ppo_agent`, which by default (`--exec automatic`) runs this small
+// network on the small-network kernels (exec::small_net; docs/performance.md); `--exec
+// reference` takes the LibTorch path (the trainer with algo::ppo), the reference.
+//
+//   pendulum_ppo [--exec automatic|reference] [--preset tuned|cleanrl] [--total-steps N] [--seed 1]
+//                [--num-envs N] [--out runs/pendulum_ppo] [--save PATH] [--resume PATH] [key=value ...]
 //
 // --save PATH checkpoints the trainer and the environments (their running normalisation
 // statistics included) together every 20 iterations; --resume PATH continues such a run bit for
@@ -28,30 +32,23 @@
 
 #include <torch/torch.h>
 
-#include <unirl/algorithms/ppo_env.hpp>
+#include <unirl/agent.hpp>
 #include <unirl/envs/pendulum.hpp>
 #include <unirl/envs/vector_env.hpp>
 #include <unirl/models/actor_critic.hpp>
-#include <unirl/rewards/environment.hpp>
-#include <unirl/trainer.hpp>
 
 #include "common/env_example.hpp"
 
 using policy_t = unirl::models::gaussian_actor_critic;
-using trainer_t = unirl::trainer<policy_t, unirl::algo::ppo<>, unirl::rewards::environment_reward>;
 
-int main(int argc, char** argv) try {
+template <class Agent>
+int run(int argc, char** argv, const std::string& exec) {
   // The preset is read first, so that key=value overrides apply on top of it.
-  std::string preset = "tuned";
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (a == "--preset" && i + 1 < argc) preset = argv[i + 1];
-    else if (a.starts_with("--preset=")) preset = a.substr(9);
-  }
+  const std::string preset = examples::flag_value(argc, argv, "preset", "tuned");
   if (preset != "tuned" && preset != "cleanrl")
     throw unirl::config_error("--preset", "value '" + preset + "': expected tuned or cleanrl");
   const bool cleanrl = preset == "cleanrl";
-  trainer_t::options opts{
+  typename Agent::options opts{
       .algorithm = {.clip_low = 0.2, .clip_high = 0.2, .value_clip = 0.2, .vf_coef = 0.5, .ent_coef = 0.0,
                     .gamma = cleanrl ? 0.99 : 0.9, .lambda = 0.95, .norm_adv = true,
                     .track = {.rollout_steps = cleanrl ? 2048 : 512}},
@@ -67,7 +64,7 @@ int main(int argc, char** argv) try {
                                             .seed = 1,
                                             .num_envs = cleanrl ? 1 : 4,
                                             .out = "runs/pendulum_ppo"},
-                                           {{"preset", preset}});
+                                           {{"preset", preset}, {"exec", exec}});
 
   unirl::envs::vector_env<unirl::envs::pendulum> venv(
       {}, {.num_envs = run.num_envs,
@@ -77,14 +74,22 @@ int main(int argc, char** argv) try {
            .normalize_reward = true,
            .reward_gamma = opts.algorithm.gamma});
   torch::manual_seed(static_cast<std::uint64_t>(run.seed));  // the policy's initial weights
-  trainer_t t{policy_t(3, 1), {}, opts};
+  Agent t(policy_t(3, 1), opts);
   std::cout << t.describe();
 
   const double seconds = examples::train_env(t, venv, run, 20, [](std::ostream& os, const auto& s) {
     os << "  value_loss " << s.value_loss << "  entropy " << s.entropy << "  lr " << s.learning_rate;
   });
-  examples::write_env_summary(run, "Pendulum-v1", venv, seconds, {{"preset", preset}});
+  examples::write_env_summary(run, "Pendulum-v1", venv, seconds, {{"preset", preset}, {"path", t.path()}});
   return 0;
+}
+
+int main(int argc, char** argv) try {
+  const std::string exec = examples::exec_flag(argc, argv);
+  if (exec == "reference")
+    return run<unirl::ppo_agent<unirl::models::diag_gaussian, unirl::envs::pendulum, unirl::exec::reference>>(
+        argc, argv, exec);
+  return run<unirl::ppo_agent<unirl::models::diag_gaussian, unirl::envs::pendulum>>(argc, argv, exec);
 } catch (const std::exception& e) {
   std::cerr << e.what() << "\n";
   return 1;

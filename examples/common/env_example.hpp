@@ -1,6 +1,6 @@
 #pragma once
 // Shared by the environment examples (10_cartpole_ppo, 11_pendulum_ppo): the command line
-// (--total-steps, --seed, --num-envs, --out, --save, --resume, key=value trainer options), the
+// (--exec, --total-steps, --seed, --num-envs, --out, --save, --resume, key=value trainer options), the
 // training loop with its progress lines and checkpoints (model and environments in one file),
 // and summary.json.
 #include <chrono>
@@ -17,9 +17,32 @@
 #include <torch/torch.h>
 
 #include <unirl/core/command_line.hpp>
+#include <unirl/core/error.hpp>
 #include <unirl/core/options.hpp>
 
 namespace examples {
+
+/// The value of `--NAME V` or `--NAME=V` on the command line (the last one), else `fallback`:
+/// for a flag read before the rest is parsed (it chooses a type or a preset).
+inline std::string flag_value(int argc, char** argv, const std::string& name, std::string fallback) {
+  const std::string flag = "--" + name;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == flag && i + 1 < argc) fallback = argv[i + 1];
+    else if (a.starts_with(flag + "=")) fallback = a.substr(flag.size() + 1);
+  }
+  return fallback;
+}
+
+/// The value of `--exec automatic|reference` (default automatic), read before the agent's type
+/// is chosen; anything else throws naming the value.
+inline std::string exec_flag(int argc, char** argv) {
+  const std::string exec = flag_value(argc, argv, "exec", "automatic");
+  if (exec != "automatic" && exec != "reference")
+    throw unirl::config_error("--exec", "value '" + exec + "': expected automatic (the small-network kernels for a "
+                                        "small actor-critic) or reference (LibTorch)");
+  return exec;
+}
 
 /// What the command line of an environment example sets besides the trainer options.
 struct env_run {

@@ -10,6 +10,12 @@
 /// state and generator, the episode accumulators and records, the running statistics — so a run
 /// resumed with `trainer::load(path, venv)` continues bit for bit.
 ///
+/// Two ways to step: `step(tensor)` returns tensors; `step(actions, rewards, dones)` reads and
+/// writes plain buffers (the observations are `observation_data()`), allocates nothing, and gives
+/// the same numbers bit for bit — what the small-network path (`ppo_agent`, exec::small_net)
+/// uses. With `threads` > 1 the copies of a costly simulator step concurrently, with results
+/// independent of the thread count (each copy must own its state: copies of `E` share nothing).
+///
 /// ```cpp
 /// unirl::envs::vector_env<unirl::envs::cartpole> venv({}, {.num_envs = 4, .seed = 1});
 /// auto obs = venv.observations();                          // (4, 4) float
@@ -21,8 +27,10 @@
 #include <array>
 #include <cmath>
 #include <cstdint>
+#include <exception>
 #include <limits>
 #include <string>
+#include <thread>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -48,9 +56,13 @@ struct vector_env_options {
   bool normalize_reward = false;      // rewards / std of the discounted return
   double reward_gamma = 0.99;         // discount of that return
   double reward_clip = 10.0;          // |normalised reward| <= this
+  std::int64_t threads = 1;           // > 1: the copies step on this many threads (one per contiguous
+                                      // share, started per step: for simulators whose step costs more
+                                      // than tens of microseconds); the results do not depend on it
 
   void validate(const std::string& prefix) const {
     options::require(num_envs >= 1, prefix + "num_envs", num_envs, ">= 1");
+    options::require(threads >= 1, prefix + "threads", threads, ">= 1");
     options::require(observation_clip > 0, prefix + "observation_clip", observation_clip, "> 0");
     options::require(reward_gamma >= 0 && reward_gamma <= 1, prefix + "reward_gamma", reward_gamma, "in [0, 1]");
     options::require(reward_clip > 0, prefix + "reward_clip", reward_clip, "> 0");
@@ -60,7 +72,7 @@ struct vector_env_options {
 }  // namespace unirl::envs
 
 BOOST_HANA_ADAPT_STRUCT(unirl::envs::vector_env_options, num_envs, seed, clip_actions, normalize_observation,
-                        observation_clip, normalize_reward, reward_gamma, reward_clip);
+                        observation_clip, normalize_reward, reward_gamma, reward_clip, threads);
 
 namespace unirl::envs {
 
@@ -284,10 +296,6 @@ class vector_env {
     auto dones = torch::zeros({n});
     auto term = torch::zeros({n}, torch::kBool);
     auto trunc = torch::zeros({n}, torch::kBool);
-    auto* rw = rewards.data_ptr<double>();
-    auto* dn = dones.data_ptr<float>();
-    auto* tm = term.data_ptr<bool>();
-    auto* tr = trunc.data_ptr<bool>();
     if constexpr (discrete) {
       UNIRL_CHECK(a.dim() == 1 && a.size(0) == n && !a.is_floating_point(), "vector_env::step: actions of shape ",
                   a.sizes(), " and type ", a.scalar_type(), ": expected (", n, ",) integers for a discrete space");
@@ -299,42 +307,60 @@ class vector_env {
                   ", ", d, ") floats for a box space");
       a = a.to(torch::kFloat).contiguous();
     }
-    for (std::int64_t i = 0; i < n; ++i) {
-      auto& env = envs_[static_cast<std::size_t>(i)];
-      step_result<typename E::observation_type> r;
-      if constexpr (discrete) {
-        r = env.step(a.data_ptr<std::int64_t>()[i]);
-      } else {
-        typename E::action_type act;
-        const float* p = a.data_ptr<float>() + i * static_cast<std::int64_t>(act.size());
-        std::copy(p, p + act.size(), act.begin());
-        if (opts_.clip_actions) act = env.action_space().clip(act);
-        r = env.step(act);
-      }
-      const auto k = static_cast<std::size_t>(i);
-      returns_[k] += r.reward;
-      lengths_[k] += 1;
-      rw[i] = r.reward;
-      tm[i] = r.terminated;
-      tr[i] = r.truncated;
-      if (r.terminated || r.truncated) {
-        dn[i] = 1.0f;
-        episodes_.push_back({returns_[k], lengths_[k], i});
-        returns_[k] = 0.0;
-        lengths_[k] = 0;
-        ++episode_counter_[k];
-        write_obs(k, env.reset(episode_seed(k)));
-      } else {
-        write_obs(k, r.observation);
-      }
-    }
-    env_steps_ += n;
-    if (opts_.normalize_reward) rewards = normalize_reward(rewards, dn);
+    step_copies(a.data_ptr<action_scalar>(), rewards.data_ptr<double>(), dones.data_ptr<float>(), term.data_ptr<bool>(),
+                trunc.data_ptr<bool>());
+    if (opts_.normalize_reward) rewards = normalize_reward(rewards, dones.data_ptr<float>());
     if (opts_.normalize_observation) obs_rms_.update(raw_obs_);
     obs_ = normalize_obs(raw_obs_);
     dones_ = dones;
     return {obs_, rewards.to(torch::kFloat), dones, term, trunc};
   }
+
+  /// One action component: `std::int64_t` (discrete) or `float` (box).
+  using action_scalar = std::conditional_t<discrete, std::int64_t, float>;
+  /// Components per action: 1 (discrete) or the box's dimension.
+  static constexpr std::int64_t action_components = [] {
+    if constexpr (discrete) return std::int64_t{1};
+    else return static_cast<std::int64_t>(E::action_space_type::dim);
+  }();
+
+  /// Steps every copy without tensors, for a caller that keeps its rollout in plain buffers (the
+  /// small-network path, exec::small_net): `actions` holds N x `action_components` values
+  /// row-major, `rewards` and `dones` receive N floats each (the training reward, normalised when
+  /// enabled, and 1 where the episode ended), and the next observations are `observation_data()`.
+  /// The results are those of `step(tensor)` with the same actions, bit for bit; nothing is
+  /// allocated once the first call has run (unless a caller still holds `observations()` /
+  /// `dones()` tensors, which keep their values: those are replaced, not overwritten).
+  void step(const action_scalar* actions, float* rewards, float* dones) {
+    const auto n = static_cast<std::size_t>(opts_.num_envs);
+    UNIRL_CHECK(actions != nullptr && rewards != nullptr && dones != nullptr,
+                "vector_env::step: a null buffer (actions, rewards and dones must each hold ", n, " rows)");
+    if (plain_rewards_.size() != n) {
+      plain_rewards_.resize(n);
+      plain_term_.resize(n);
+      plain_trunc_.resize(n);
+    }
+    std::fill(dones, dones + n, 0.0f);
+    step_copies(actions, plain_rewards_.data(), dones, plain_term_.data(), plain_trunc_.data());
+    if (opts_.normalize_reward) {
+      const double sd = update_return_statistics(plain_rewards_.data(), dones);
+      for (std::size_t i = 0; i < n; ++i)
+        rewards[i] = static_cast<float>(std::clamp(plain_rewards_[i] / sd, -opts_.reward_clip, opts_.reward_clip));
+    } else {
+      for (std::size_t i = 0; i < n; ++i) rewards[i] = static_cast<float>(plain_rewards_[i]);
+    }
+    if (opts_.normalize_observation) obs_rms_.update(raw_obs_);
+    if (obs_.use_count() > 1) obs_ = torch::empty_like(raw_obs_);
+    normalize_obs_into(obs_.data_ptr<float>());
+    if (dones_.use_count() > 1) dones_ = torch::empty({opts_.num_envs});
+    std::copy(dones, dones + n, dones_.data_ptr<float>());
+  }
+
+  /// The current observations, N x D floats row-major (normalised when enabled): the buffer
+  /// behind `observations()`, valid until the next `step`.
+  const float* observation_data() const { return obs_.data_ptr<float>(); }
+  /// The current done flags (N floats, CleanRL's `next_done`): the buffer behind `dones()`.
+  const float* done_data() const { return dones_.data_ptr<float>(); }
 
  private:
   template <class T>
@@ -358,6 +384,116 @@ class vector_env {
     return t.clone();
   }
 
+  // Steps copy i with actions[i * action_components ...], writing its raw reward, done flag and
+  // terminated / truncated flags, recording a finished episode and auto-resetting. With
+  // `threads` > 1 the copies are split into that many contiguous shares stepped concurrently
+  // (each copy touches only its own state and rows), and the finished episodes are recorded
+  // afterwards in copy order — the order of the sequential loop — so nothing depends on it.
+  template <class Flag>
+  void step_copies(const action_scalar* actions, double* rw, float* dn, Flag* tm, Flag* tr) {
+    const auto n = opts_.num_envs;
+    const auto workers = std::min<std::int64_t>(opts_.threads, n);
+    if (ended_.size() != static_cast<std::size_t>(n)) ended_.assign(static_cast<std::size_t>(n), 0);
+    auto one = [&](std::int64_t i) {
+      auto& env = envs_[static_cast<std::size_t>(i)];
+      step_result<typename E::observation_type> r;
+      if constexpr (discrete) {
+        r = env.step(actions[i]);
+      } else {
+        typename E::action_type act;
+        const float* p = actions + i * action_components;
+        std::copy(p, p + act.size(), act.begin());
+        if (opts_.clip_actions) act = env.action_space().clip(act);
+        r = env.step(act);
+      }
+      const auto k = static_cast<std::size_t>(i);
+      returns_[k] += r.reward;
+      lengths_[k] += 1;
+      rw[i] = r.reward;
+      tm[i] = r.terminated;
+      tr[i] = r.truncated;
+      ended_[k] = 0;
+      if (r.terminated || r.truncated) {
+        dn[i] = 1.0f;
+        ended_[k] = 1;
+        ended_return_[k] = returns_[k];
+        ended_length_[k] = lengths_[k];
+        returns_[k] = 0.0;
+        lengths_[k] = 0;
+        ++episode_counter_[k];
+        write_obs(k, env.reset(episode_seed(k)));
+      } else {
+        write_obs(k, r.observation);
+      }
+    };
+    ended_return_.resize(static_cast<std::size_t>(n));
+    ended_length_.resize(static_cast<std::size_t>(n));
+    if (workers <= 1) {
+      for (std::int64_t i = 0; i < n; ++i) {
+        one(i);
+        if (ended_[static_cast<std::size_t>(i)]) record_episode(i);
+      }
+    } else {
+      std::vector<std::exception_ptr> errors(static_cast<std::size_t>(workers));
+      {
+        std::vector<std::jthread> pool;
+        pool.reserve(static_cast<std::size_t>(workers));
+        for (std::int64_t w = 0; w < workers; ++w)
+          pool.emplace_back([&, w] {
+            try {
+              for (std::int64_t i = w * n / workers; i < (w + 1) * n / workers; ++i) one(i);
+            } catch (...) {
+              errors[static_cast<std::size_t>(w)] = std::current_exception();
+            }
+          });
+      }  // joined
+      for (std::int64_t i = 0; i < n; ++i)
+        if (ended_[static_cast<std::size_t>(i)]) record_episode(i);
+      for (const auto& e : errors)
+        if (e) std::rethrow_exception(e);
+    }
+    env_steps_ += n;
+  }
+
+  void record_episode(std::int64_t i) {
+    const auto k = static_cast<std::size_t>(i);
+    episodes_.push_back({ended_return_[k], ended_length_[k], i});
+    ended_[k] = 0;
+  }
+
+  // The plain path's normalise_obs: the same double arithmetic, element by element.
+  void normalize_obs_into(float* out) const {
+    const float* raw = raw_obs_.data_ptr<float>();
+    const auto count = opts_.num_envs * observation_size;
+    if (!opts_.normalize_observation) {
+      std::copy(raw, raw + count, out);
+      return;
+    }
+    const double* mean = obs_rms_.mean.data_ptr<double>();
+    const double* var = obs_rms_.var.data_ptr<double>();
+    for (std::int64_t i = 0; i < count; ++i) {
+      const auto d = i % observation_size;
+      const double z = (static_cast<double>(raw[i]) - mean[d]) / std::sqrt(var[d] + 1e-8);
+      out[i] = static_cast<float>(std::clamp(z, -opts_.observation_clip, opts_.observation_clip));
+    }
+  }
+
+  // The plain path's normalize_reward up to the division: folds the discounted returns into the
+  // running statistics (resetting those whose episode ended) and returns sqrt(var + 1e-8).
+  double update_return_statistics(const double* r, const float* dones) {
+    plain_disc_.resize(static_cast<std::size_t>(opts_.num_envs));
+    for (std::int64_t i = 0; i < opts_.num_envs; ++i) {
+      auto& g = discounted_[static_cast<std::size_t>(i)];
+      g = g * opts_.reward_gamma + r[i];
+      plain_disc_[static_cast<std::size_t>(i)] = g;
+    }
+    ret_rms_.update(torch::from_blob(plain_disc_.data(), {opts_.num_envs, 1}, torch::kDouble));
+    const double sd = std::sqrt(ret_rms_.var.template item<double>() + 1e-8);
+    for (std::int64_t i = 0; i < opts_.num_envs; ++i)
+      if (dones[i] != 0.0f) discounted_[static_cast<std::size_t>(i)] = 0.0;
+    return sd;
+  }
+
   // splitmix64 of (seed, copy, episode): distinct, reproducible start states for every episode.
   std::uint64_t episode_seed(std::size_t i) const {
     if (episode_counter_[i] == 0) return static_cast<std::uint64_t>(opts_.seed) + i;
@@ -377,18 +513,8 @@ class vector_env {
     return z.clamp(-opts_.observation_clip, opts_.observation_clip).to(torch::kFloat);
   }
   torch::Tensor normalize_reward(const torch::Tensor& rewards, const float* dones) {
-    auto disc = torch::empty({opts_.num_envs}, torch::kDouble);
-    const auto* r = rewards.data_ptr<double>();
-    for (std::int64_t i = 0; i < opts_.num_envs; ++i) {
-      auto& g = discounted_[static_cast<std::size_t>(i)];
-      g = g * opts_.reward_gamma + r[i];
-      disc.data_ptr<double>()[i] = g;
-    }
-    ret_rms_.update(disc.reshape({-1, 1}));
-    auto out = (rewards / std::sqrt(ret_rms_.var.item<double>() + 1e-8)).clamp(-opts_.reward_clip, opts_.reward_clip);
-    for (std::int64_t i = 0; i < opts_.num_envs; ++i)
-      if (dones[i] != 0.0f) discounted_[static_cast<std::size_t>(i)] = 0.0;
-    return out;
+    const double sd = update_return_statistics(rewards.data_ptr<double>(), dones);
+    return (rewards / sd).clamp(-opts_.reward_clip, opts_.reward_clip);
   }
 
   vector_env_options opts_;
@@ -401,6 +527,13 @@ class vector_env {
   std::vector<episode_record> episodes_;
   running_mean_std obs_rms_, ret_rms_{1};
   std::int64_t env_steps_ = 0;
+  // Scratch of the plain step (sized once).
+  std::vector<double> plain_rewards_, plain_disc_;
+  std::vector<std::uint8_t> plain_term_, plain_trunc_;
+  // Episodes that ended in the current step, per copy (recorded in copy order after it).
+  std::vector<std::uint8_t> ended_;
+  std::vector<double> ended_return_;
+  std::vector<std::int64_t> ended_length_;
 };
 
 }  // namespace unirl::envs

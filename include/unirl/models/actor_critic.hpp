@@ -19,6 +19,7 @@
 /// ```
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <numbers>
 #include <string>
@@ -34,6 +35,7 @@
 #include <unirl/core/precision.hpp>
 #include <unirl/models/mixed_action.hpp>
 #include <unirl/models/module_adapter.hpp>
+#include <unirl/ops/small_net.hpp>
 #include <unirl/rollout/env.hpp>
 
 namespace unirl::models {
@@ -91,6 +93,7 @@ class actor_critic_netImpl : public torch::nn::Cloneable<actor_critic_netImpl<Di
 
   std::int64_t obs_dim() const { return obs_dim_; }
   std::int64_t action_dim() const { return action_dim_; }
+  const actor_critic_options& options() const { return opts_; }
   /// A parameter whose device and dtype are the network's (inputs are converted to them).
   /// (Looked up each time: cloning replaces the child modules after `reset()`.)
   torch::Tensor anchor() const {
@@ -237,6 +240,78 @@ class actor_critic : public module_adapter<actor_critic<Dist>, actor_critic_net<
     return (-(a - mean).square() * 0.5 * torch::exp(-2.0 * log_std) - log_std - half_log_2pi).sum(-1);
   }
 };
+
+/// The small-network kernels' head of a distribution (exec::small_net, ops/small_net.hpp):
+/// defined for `categorical` and `diag_gaussian`, the forms the kernels know (not `mixed<C>`).
+template <class Dist>
+struct small_net_head_of {};
+template <>
+struct small_net_head_of<categorical> {
+  using type = ops::categorical_head;
+};
+template <>
+struct small_net_head_of<diag_gaussian> {
+  using type = ops::gaussian_head;
+};
+/// True when the small-network kernels implement `actor_critic<Dist>`.
+template <class Dist>
+inline constexpr bool has_small_net = requires { typename small_net_head_of<Dist>::type; };
+
+/// The kernels' network of `policy`'s architecture: same sizes, tanh hidden layers.
+template <class Scalar, class Dist>
+  requires has_small_net<Dist>
+ops::small_actor_critic<Scalar, typename small_net_head_of<Dist>::type> small_net_like(
+    const actor_critic<Dist>& policy, std::int64_t batch_capacity = 128) {
+  return ops::small_actor_critic<Scalar, typename small_net_head_of<Dist>::type>(
+      {.obs_dim = policy.obs_dim(),
+       .action_dim = policy.action_dim(),
+       .hidden = policy.net()->options().hidden,
+       .activation = ops::mlp_activation::tanh},
+      batch_capacity);
+}
+
+namespace detail {
+// The LibTorch parameter `t.name` of `policy`, checked against the kernels' shape of it.
+template <class Dist>
+torch::Tensor small_net_counterpart(const actor_critic<Dist>& policy, const ops::small_net_tensor& t) {
+  const auto named = policy.net()->named_parameters();
+  const auto* p = named.find(t.name);
+  UNIRL_CHECK(p != nullptr, "actor_critic: no parameter '", t.name, "' for the small-network kernels' tensor");
+  UNIRL_CHECK(p->sizes() == torch::IntArrayRef(t.shape), "actor_critic: parameter '", t.name, "' has shape ",
+              p->sizes(), "; the small-network kernels' has ", torch::IntArrayRef(t.shape));
+  return *p;
+}
+}  // namespace detail
+
+/// Copies `from`'s weights into the kernels' buffer `to` (converted to `Scalar`); the shapes
+/// must match tensor by tensor (an error names the first that does not).
+/// ```cpp
+/// auto net = unirl::models::small_net_like<float>(policy);
+/// unirl::models::copy_parameters(policy, net);      // LibTorch -> Eigen
+/// unirl::models::copy_parameters(net, policy);      // and back
+/// ```
+template <class Dist, class Scalar, class Head>
+  requires has_small_net<Dist> && std::is_same_v<Head, typename small_net_head_of<Dist>::type>
+void copy_parameters(const actor_critic<Dist>& from, ops::small_actor_critic<Scalar, Head>& to) {
+  constexpr auto dtype = std::is_same_v<Scalar, float> ? torch::kFloat : torch::kDouble;
+  for (const auto& t : to.tensors()) {
+    const auto src = detail::small_net_counterpart(from, t).detach().to(torch::kCPU, dtype).contiguous();
+    std::memcpy(to.parameters() + t.offset, src.template data_ptr<Scalar>(), static_cast<std::size_t>(t.size) * sizeof(Scalar));
+  }
+}
+
+/// Copies the kernels' weights `from` into `to`'s parameters (in their dtype and device).
+template <class Dist, class Scalar, class Head>
+  requires has_small_net<Dist> && std::is_same_v<Head, typename small_net_head_of<Dist>::type>
+void copy_parameters(const ops::small_actor_critic<Scalar, Head>& from, actor_critic<Dist>& to) {
+  constexpr auto dtype = std::is_same_v<Scalar, float> ? torch::kFloat : torch::kDouble;
+  torch::NoGradGuard ng;
+  for (const auto& t : from.tensors()) {
+    auto dst = detail::small_net_counterpart(to, t);
+    const auto src = torch::from_blob(const_cast<Scalar*>(from.parameters() + t.offset), t.shape, dtype);
+    dst.copy_(src);
+  }
+}
 
 /// Categorical policy (CartPole, discrete actions).
 using categorical_actor_critic = actor_critic<categorical>;
