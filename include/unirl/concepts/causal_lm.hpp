@@ -101,6 +101,7 @@ struct paged_batch {
   // (S, C) padded to the longest context C, and a bias (S, 1, 1, C): 0 for real keys, -inf for
   // padding. Undefined when no sequence has a single row.
   torch::Tensor decode_rows, decode_slots, decode_bias;
+  std::vector<std::int64_t> decode_context;  // (S) their context lengths, on the host
   std::vector<chunk> chunks;  // the sequences with more than one row
   torch::Tensor output_rows;  // (R,) int64 rows whose outputs are returned; undefined: all N
   std::int64_t max_position = -1;  // the largest position (known on the host: no device read)

@@ -122,7 +122,7 @@ class gpt_block_impl : public torch::nn::Cloneable<gpt_block_impl> {
     const auto N = x.size(0), dh = d_ / h_;
     const auto parts = lora::forward(qkv, ln1(upcast(x))).view({N, 3, h_, dh});
     const double scale = 1.0 / std::sqrt(static_cast<double>(dh));
-    const auto y = ops::paged_attention(parts.select(1, 0), parts.select(1, 1), parts.select(1, 2), k_pool, v_pool, b,
+    const auto y = ops::paged_attention(parts.select(1, 0), parts.select(1, 1), parts.select(1, 2), k_pool, v_pool, b, scale,
                                         [scale](const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                                 const torch::Tensor& bias) { return ops::attention(q, k, v, bias, scale); });
     auto h = x + lora::forward(proj, y.reshape({N, d_}));

@@ -207,6 +207,7 @@ inline paged_batch make_paged_batch(const std::vector<paged_chunk_spec>& chunks,
         ps[i * C + p] = slot(*c.table, p);
         pb[i * C + p] = 0.f;
       }
+      b.decode_context.push_back(c.start + 1);
     }
     b.decode_rows = torch::tensor(decode_rows, i64).to(device);
     b.decode_slots = slots.to(device);

@@ -214,10 +214,10 @@ struct kv_slot {
   /// The paged forward's attention: q (1, H, N, D), key / value (1, H_kv, N, D) of the packed
   /// tokens -> (1, N, H * D), through `ops::paged_attention` with `attend(q, k, v, bias)`.
   template <class Attend>
-  torch::Tensor attend_paged(const torch::Tensor& q, const torch::Tensor& key, const torch::Tensor& value,
+  torch::Tensor attend_paged(const torch::Tensor& q, const torch::Tensor& key, const torch::Tensor& value, double scale,
                              Attend&& attend) const {
     const auto y = ops::paged_attention(q[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), *k, *v,
-                                        *paged, attend);  // (N, H, D)
+                                        *paged, scale, attend);  // (N, H, D)
     return y.reshape({1, y.size(0), y.size(1) * y.size(2)});
   }
 
@@ -348,7 +348,7 @@ class llama_attention_impl : public torch::nn::Cloneable<llama_attention_impl> {
     const double scale = 1.0 / std::sqrt(static_cast<double>(dim_));
     const auto groups = heads_ / kv_heads_;
     if (slot.paged)
-      return dense(slot.attend_paged(q, k, v, [scale, groups](const torch::Tensor& q4, const torch::Tensor& k4,
+      return dense(slot.attend_paged(q, k, v, scale, [scale, groups](const torch::Tensor& q4, const torch::Tensor& k4,
                                                                const torch::Tensor& v4, const torch::Tensor& b4) {
                      return attend_grouped(q4, k4, v4, b4, scale, groups);
                    }), o_proj);
@@ -494,7 +494,7 @@ class gpt2_attention_impl : public torch::nn::Cloneable<gpt2_attention_impl> {
     const double scale = 1.0 / std::sqrt(static_cast<double>(D));
     if (slot.paged)
       return c_proj(slot.attend_paged(q, qkv[1].view({B, n, heads_, D}).transpose(1, 2),
-                                      qkv[2].view({B, n, heads_, D}).transpose(1, 2),
+                                      qkv[2].view({B, n, heads_, D}).transpose(1, 2), scale,
                                       [scale](const torch::Tensor& q4, const torch::Tensor& k4, const torch::Tensor& v4,
                                               const torch::Tensor& b4) { return attend(q4, k4, v4, b4, scale); }));
     auto [k, v] = slot.update(qkv[1].view({B, n, heads_, D}).transpose(1, 2), qkv[2].view({B, n, heads_, D}).transpose(1, 2));
