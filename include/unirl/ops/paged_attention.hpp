@@ -15,6 +15,7 @@
 ///     [&](auto& q4, auto& k4, auto& v4, auto& bias) { return unirl::ops::attention(q4, k4, v4, bias, scale); });
 /// // y (N, H, Dh)
 /// ```
+#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <vector>
