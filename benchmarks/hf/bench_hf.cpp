@@ -48,27 +48,13 @@
 #include <unirl/trainer.hpp>
 
 #include "bench_args.hpp"
+#include "qwen_shapes.hpp"
 
 namespace hf = unirl::models::hf;
 
 namespace {
 
-hf::decoder_config qwen_shapes(std::int64_t layers) {
-  hf::decoder_config c;
-  c.arch = hf::architecture::qwen2;
-  c.vocab_size = 151936;
-  c.hidden_size = 896;
-  c.intermediate_size = 4864;
-  c.num_hidden_layers = layers;
-  c.num_attention_heads = 14;
-  c.num_key_value_heads = 2;
-  c.head_dim = 64;
-  c.max_position_embeddings = 32768;
-  c.rope_theta = 1e6;
-  c.tie_word_embeddings = true;
-  c.eos_token_id = {151643};
-  return c;
-}
+using unirl_bench::qwen_shapes;
 
 double peak_rss_mib() {
   rusage u{};

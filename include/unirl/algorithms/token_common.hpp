@@ -20,6 +20,7 @@
 #include <unirl/core/context.hpp>
 #include <unirl/core/lora_guard.hpp>
 #include <unirl/exec/policy.hpp>
+#include <unirl/rollout/engine_sampler.hpp>
 #include <unirl/rollout/sampling.hpp>
 #include <unirl/rollout/token.hpp>
 #include <unirl/rollout/token_logprob.hpp>
@@ -52,6 +53,20 @@ torch::Tensor chunked_logprob(const M& model, const token_rollout& batch, double
   return torch::cat(parts, 0);
 }
 
+/// `info.group_size` completions per prompt: through the rollout engine with `s.engine` (a
+/// `PagedCausalLM`; another model is an error naming the option), else `sample_tokens`.
+template <CausalLM M>
+token_rollout draw_completions(const M& model, const prompt_batch& input, const step_info& info,
+                               const sampling_options& s) {
+  if constexpr (PagedCausalLM<M>) {
+    if (s.engine) return rollout::sample_tokens_engine(model, input, info.group_size, s, info.device);
+  } else {
+    UNIRL_CHECK(!s.engine, "sampling.engine = true: the policy model does not implement PagedCausalLM (",
+                "concepts/causal_lm.hpp); expected false for it");
+  }
+  return sample_tokens(model, input, info.group_size, s, info.device);
+}
+
 /// Samples `info.group_size` completions per prompt with the policy, then (optionally) replaces
 /// the sampler's log-probabilities by the training forward's — laid out as the update will lay
 /// it out, so an on-policy first update sees ratio exactly 1 — and fills `ref_logp` when the
@@ -62,7 +77,7 @@ token_rollout sample_for_update(model_set<M>& models, const prompt_batch& input,
                                 const sampling_options& s, bool recompute_old_logp,
                                 rollout::update_layout layout = rollout::update_layout::padded) {
   torch::NoGradGuard ng;
-  token_rollout batch = sample_tokens(models.policy, input, info.group_size, s, info.device);
+  token_rollout batch = draw_completions(models.policy, input, info, s);
   const auto mask = batch.completion_mask;
   if (recompute_old_logp) {
     const torch::Tensor lp =

@@ -11,6 +11,7 @@
 /// packing and prompt de-duplication in `rollout/packing.hpp`.
 #include <concepts>
 #include <cstdint>
+#include <vector>
 
 #include <torch/torch.h>
 
@@ -70,6 +71,63 @@ template <class M>
 concept HiddenStateCausalLM = CausalLM<M> && requires(const M& m, const torch::Tensor& t) {
   { m.hidden_states(t, t) } -> std::same_as<torch::Tensor>;
   { m.lm_head_weight() } -> std::same_as<torch::Tensor>;
+};
+
+/// Keys and values of a paged cache: per layer one pool of `slots` token slots, (slots, H_kv, Dh)
+/// each. Which slot holds which token of which sequence is the caller's business (the rollout
+/// engine's block tables, rollout/kv_pool.hpp); the model only reads and writes the slots a
+/// `paged_batch` names.
+struct paged_kv {
+  std::vector<torch::Tensor> k, v;  // per layer (slots, H_kv, Dh)
+  std::int64_t slots = 0;
+};
+
+/// One forward of a `PagedCausalLM` over a packed batch of N tokens from several sequences: each
+/// sequence contributes a contiguous run of rows (a decode token, or a chunk of a prompt), and
+/// its keys and values so far sit in pool slots. Built on the host by the caller
+/// (`rollout::make_paged_batch`), tensors on the model's device.
+struct paged_batch {
+  /// One sequence's rows [row, row + n): its tokens at positions [context - n, context), which
+  /// attend to the `context` slots `context_slots` ((context,) int64, in position order; the
+  /// last n are this chunk's own `write_slots`). `bias` (1, 1, n, context) is the causal mask.
+  struct chunk {
+    std::int64_t row = 0, n = 0, context = 0;
+    torch::Tensor context_slots, bias;
+  };
+  torch::Tensor ids;          // (N,) int64
+  torch::Tensor positions;    // (N,) int64, each token's position in its sequence
+  torch::Tensor write_slots;  // (N,) int64, the pool slot that receives each token's key and value
+  // The sequences with one row (decoding), attended together: rows (S,), their context slots
+  // (S, C) padded to the longest context C, and a bias (S, 1, 1, C): 0 for real keys, -inf for
+  // padding. Undefined when no sequence has a single row.
+  torch::Tensor decode_rows, decode_slots, decode_bias;
+  std::vector<std::int64_t> decode_context;  // (S) their context lengths, on the host
+  std::vector<chunk> chunks;  // the sequences with more than one row
+  torch::Tensor output_rows;  // (R,) int64 rows whose outputs are returned; undefined: all N
+  std::int64_t max_position = -1;  // the largest position (known on the host: no device read)
+
+  std::int64_t tokens() const { return ids.defined() ? ids.size(0) : 0; }
+};
+
+/// A `CausalLM` that runs over a paged KV cache (the rollout engine, rollout/engine.hpp): one
+/// forward over a packed batch of decode tokens and prefill chunks of many sequences.
+///
+/// Minimal complete definition (besides `CausalLM`):
+/// - `paged_kv make_paged_kv(std::int64_t slots) const` — an empty pool of `slots` token slots
+///   per layer, in the weights' dtype and on their device;
+/// - `torch::Tensor logits_paged(const paged_batch& b, paged_kv& kv) const` — writes each token's
+///   keys and values into `b.write_slots` of `kv`, attends each token to its sequence's context
+///   slots, and returns the (R, V) next-token logits of `b.output_rows` (all N rows when
+///   undefined), equal to the rows of `logits` over each whole sequence;
+/// - `std::int64_t max_length() const` — the longest sequence the model takes (positions are
+///   checked against it on the host, from `b.max_position`).
+/// Called without gradients; `ops::paged_attention` (ops/paged_attention.hpp) does the gather and
+/// the attention for a model that projects its queries, keys and values itself.
+template <class M>
+concept PagedCausalLM = CausalLM<M> && requires(const M& m, const paged_batch& b, paged_kv& kv, std::int64_t n) {
+  { m.make_paged_kv(n) } -> std::same_as<paged_kv>;
+  { m.logits_paged(b, kv) } -> std::same_as<torch::Tensor>;
+  { m.max_length() } -> std::convertible_to<std::int64_t>;
 };
 
 /// A value model for PPO on the token track: `values(ids, mask)` gives (B, L), V of each prefix.

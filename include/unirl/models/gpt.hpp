@@ -28,6 +28,7 @@
 #include <unirl/models/lora.hpp>
 #include <unirl/models/module_adapter.hpp>
 #include <unirl/ops/attention.hpp>
+#include <unirl/ops/paged_attention.hpp>
 #include <unirl/rollout/token.hpp>
 
 namespace unirl::models {
@@ -111,6 +112,20 @@ class gpt_block_impl : public torch::nn::Cloneable<gpt_block_impl> {
     }
     auto y = ops::attention(q, k, v, bias, 1.0 / std::sqrt(static_cast<double>(dh))).transpose(1, 2).reshape({B, n, d_});
     auto h = x + lora::forward(proj, y);
+    return h + lora::forward(fc2, torch::gelu(lora::forward(fc1, ln2(upcast(h)))));
+  }
+
+  /// The paged forward (rollout engine): x (N, D) packed tokens of several sequences; their keys
+  /// and values go into the pool (k_pool, v_pool: (slots, H, Dh)) and each token attends to its
+  /// sequence's context slots (`ops::paged_attention`). The projections and the MLP run on all N.
+  torch::Tensor forward_paged(const torch::Tensor& x, const paged_batch& b, torch::Tensor& k_pool, torch::Tensor& v_pool) {
+    const auto N = x.size(0), dh = d_ / h_;
+    const auto parts = lora::forward(qkv, ln1(upcast(x))).view({N, 3, h_, dh});
+    const double scale = 1.0 / std::sqrt(static_cast<double>(dh));
+    const auto y = ops::paged_attention(parts.select(1, 0), parts.select(1, 1), parts.select(1, 2), k_pool, v_pool, b, scale,
+                                        [scale](const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                                const torch::Tensor& bias) { return ops::attention(q, k, v, bias, scale); });
+    auto h = x + lora::forward(proj, y.reshape({N, d_}));
     return h + lora::forward(fc2, torch::gelu(lora::forward(fc1, ln2(upcast(h)))));
   }
 
@@ -273,6 +288,38 @@ class gpt_net_impl : public torch::nn::Cloneable<gpt_net_impl>, public lora::ada
     return c;
   }
 
+  /// An empty paged pool of `slots` token slots per layer: (slots, H, Dh) keys and values.
+  paged_kv make_paged_kv(std::int64_t slots) const {
+    UNIRL_CHECK(slots >= 1, "gpt::make_paged_kv: slots = ", slots, ": expected >= 1");
+    const auto opts = tok->weight.options().requires_grad(false);
+    paged_kv kv;
+    kv.slots = slots;
+    for (std::int64_t i = 0; i < o_.n_layer; ++i) {
+      kv.k.push_back(torch::zeros({slots, o_.n_head, o_.d_model / o_.n_head}, opts));
+      kv.v.push_back(torch::zeros({slots, o_.n_head, o_.d_model / o_.n_head}, opts));
+    }
+    return kv;
+  }
+
+  /// The paged forward (`PagedCausalLM`): the packed tokens of `b` -> (R, out) outputs of
+  /// `b.output_rows` (all N when undefined). Positions are checked on the host (`b.max_position`).
+  torch::Tensor forward_paged(const paged_batch& b, paged_kv& kv) {
+    UNIRL_CHECK(b.ids.defined() && b.ids.dim() == 1 && b.positions.sizes() == b.ids.sizes(),
+                "gpt: paged ids and positions must be (N,) int64 each");
+    UNIRL_CHECK(b.max_position < o_.max_len, "gpt: position ", b.max_position, " is past max_len = ", o_.max_len);
+    UNIRL_CHECK(static_cast<std::int64_t>(kv.k.size()) == o_.n_layer, "gpt: the paged pool has ", kv.k.size(),
+                " layers; the model ", o_.n_layer);
+    torch::NoGradGuard ng;
+    auto x = tok(b.ids) + pos(b.positions);
+    std::size_t l = 0;
+    for (const auto& blk : *blocks) {
+      x = blk->as<gpt_block_impl>()->forward_paged(x, b, kv.k[l], kv.v[l]);
+      ++l;
+    }
+    if (b.output_rows.defined()) x = x.index_select(0, b.output_rows);
+    return head(ln_f(upcast(x)));
+  }
+
   /// Incremental forward of the next n tokens: ids (B, n), mask (B, n) -> (B, n, out).
   torch::Tensor forward_cached(const torch::Tensor& ids, const torch::Tensor& mask, kv_cache& c) {
     check_inputs(ids, mask);
@@ -394,6 +441,10 @@ struct gpt : module_adapter<gpt, gpt_net> {
   }
   /// Row i of the result is row `index[i]` of `c` (prefix sharing, `PrefixSharingCausalLM`).
   kv_cache select_cache(const kv_cache& c, const torch::Tensor& index) const { return c.select(index); }
+  /// The paged cache of the rollout engine (`PagedCausalLM`): a pool of `slots` token slots.
+  paged_kv make_paged_kv(std::int64_t slots) const { return net_->make_paged_kv(slots); }
+  /// Logits (R, V) of the packed batch's output rows over the paged cache (`PagedCausalLM`).
+  torch::Tensor logits_paged(const paged_batch& b, paged_kv& kv) const { return net_.ptr()->forward_paged(b, kv); }
 
   /// Input embeddings (B, L, d_model) of ids (B, L); the `*_from_embeddings` forwards take them
   /// (or any other embeddings, e.g. with image features in some rows: models/vlm) in place of
@@ -439,6 +490,7 @@ struct gpt : module_adapter<gpt, gpt_net> {
 static_assert(CausalLM<gpt>);
 static_assert(PackedCausalLM<gpt>);
 static_assert(PrefixSharingCausalLM<gpt>);
+static_assert(PagedCausalLM<gpt>);
 static_assert(CriticFactory<gpt>);
 
 }  // namespace unirl::models

@@ -21,12 +21,16 @@ namespace unirl {
 /// to the `top_k` most likely tokens (0 = all) and the smallest set whose probability reaches
 /// `top_p` (1 = all). The recorded log-probabilities are those of the temperature-scaled
 /// distribution before top-k / top-p truncation: the distribution the loss evaluates.
+/// `engine` draws through the rollout engine (rollout/engine.hpp: continuous batching over a
+/// paged KV cache, one random stream per sample) instead of the static batch of `sample_tokens`;
+/// the model must then be a `PagedCausalLM` (the built-in GPT and the Hugging Face decoders are).
 struct sampling_options {
   std::int64_t max_new_tokens = 16;
   double temperature = 1.0;
   std::int64_t top_k = 0;
   double top_p = 1.0;
   std::vector<std::int64_t> stop_tokens{};
+  bool engine = false;
 
   void validate(const std::string& prefix) const {
     options::require(max_new_tokens >= 1, prefix + "max_new_tokens", max_new_tokens, ">= 1");
@@ -38,4 +42,5 @@ struct sampling_options {
 
 }  // namespace unirl
 
-BOOST_HANA_ADAPT_STRUCT(unirl::sampling_options, max_new_tokens, temperature, top_k, top_p, stop_tokens);
+BOOST_HANA_ADAPT_STRUCT(unirl::sampling_options, max_new_tokens, temperature, top_k, top_p, stop_tokens,
+                        engine);

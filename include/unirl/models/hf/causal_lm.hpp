@@ -38,6 +38,7 @@
 #include <unirl/models/lora.hpp>
 #include <unirl/models/module_adapter.hpp>
 #include <unirl/ops/attention.hpp>
+#include <unirl/ops/paged_attention.hpp>
 #include <unirl/rollout/token.hpp>
 
 namespace unirl::models::hf {
@@ -202,11 +203,23 @@ inline torch::Tensor packed_bias(const torch::Tensor& segments) {
       .unsqueeze(1);
 }
 
-/// Where one layer's keys and values go: none (a full forward), or slots [start, start+n) of a cache.
+/// Where one layer's keys and values go: none (a full forward), slots [start, start+n) of a
+/// cache, or (`paged`) the pool slots of a paged batch, `k` / `v` then being the layer's pools.
 struct kv_slot {
   torch::Tensor* k = nullptr;
   torch::Tensor* v = nullptr;
   std::int64_t start = 0;
+  const paged_batch* paged = nullptr;
+
+  /// The paged forward's attention: q (1, H, N, D), key / value (1, H_kv, N, D) of the packed
+  /// tokens -> (1, N, H * D), through `ops::paged_attention` with `attend(q, k, v, bias)`.
+  template <class Attend>
+  torch::Tensor attend_paged(const torch::Tensor& q, const torch::Tensor& key, const torch::Tensor& value, double scale,
+                             Attend&& attend) const {
+    const auto y = ops::paged_attention(q[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), *k, *v,
+                                        *paged, scale, attend);  // (N, H, D)
+    return y.reshape({1, y.size(0), y.size(1) * y.size(2)});
+  }
 
   /// Writes this chunk's (B, H_kv, n, D) keys and values and returns all of them so far.
   std::pair<torch::Tensor, torch::Tensor> update(const torch::Tensor& key, const torch::Tensor& value) const {
@@ -332,8 +345,15 @@ class llama_attention_impl : public torch::nn::Cloneable<llama_attention_impl> {
     const auto c = cos.unsqueeze(1), s = sin.unsqueeze(1);
     q = q * c + rotate_half(q) * s;
     k = k * c + rotate_half(k) * s;
+    const double scale = 1.0 / std::sqrt(static_cast<double>(dim_));
+    const auto groups = heads_ / kv_heads_;
+    if (slot.paged)
+      return dense(slot.attend_paged(q, k, v, scale, [scale, groups](const torch::Tensor& q4, const torch::Tensor& k4,
+                                                               const torch::Tensor& v4, const torch::Tensor& b4) {
+                     return attend_grouped(q4, k4, v4, b4, scale, groups);
+                   }), o_proj);
     auto [k_all, v_all] = slot.update(k, v);
-    const auto y = attend_grouped(q, k_all, v_all, bias, 1.0 / std::sqrt(static_cast<double>(dim_)), heads_ / kv_heads_);
+    const auto y = attend_grouped(q, k_all, v_all, bias, scale, groups);
     return dense(y.transpose(1, 2).reshape({B, n, heads_ * dim_}), o_proj);
   }
   torch::nn::Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
@@ -434,6 +454,18 @@ class llama_model_impl : public torch::nn::Cloneable<llama_model_impl> {
     }
     return norm(x);
   }
+  /// The paged forward: x0 (1, N, hidden) packed tokens at positions (1, N) over the pool `kv`.
+  torch::Tensor forward_paged(const torch::Tensor& x0, const torch::Tensor& positions, const paged_batch& b,
+                              paged_kv& kv) {
+    auto x = x0;
+    const auto [cos, sin] = rope_cos_sin(positions, c_.head_size(), c_.rope_theta, x.scalar_type());
+    std::size_t l = 0;
+    for (const auto& layer : *layers) {
+      x = layer->as<llama_layer_impl>()->forward(x, cos, sin, {}, kv_slot{&kv.k[l], &kv.v[l], 0, &b});
+      ++l;
+    }
+    return norm(x);
+  }
   bool checkpoint_layers = false;  // recompute each layer in the backward (activation checkpointing)
   torch::nn::Embedding embed_tokens{nullptr};
   torch::nn::ModuleList layers{nullptr};
@@ -459,8 +491,14 @@ class gpt2_attention_impl : public torch::nn::Cloneable<gpt2_attention_impl> {
     const auto B = x.size(0), n = x.size(1), D = embd_ / heads_;
     const auto qkv = c_attn(x).split(embd_, 2);
     const auto q = qkv[0].view({B, n, heads_, D}).transpose(1, 2);
+    const double scale = 1.0 / std::sqrt(static_cast<double>(D));
+    if (slot.paged)
+      return c_proj(slot.attend_paged(q, qkv[1].view({B, n, heads_, D}).transpose(1, 2),
+                                      qkv[2].view({B, n, heads_, D}).transpose(1, 2), scale,
+                                      [scale](const torch::Tensor& q4, const torch::Tensor& k4, const torch::Tensor& v4,
+                                              const torch::Tensor& b4) { return attend(q4, k4, v4, b4, scale); }));
     auto [k, v] = slot.update(qkv[1].view({B, n, heads_, D}).transpose(1, 2), qkv[2].view({B, n, heads_, D}).transpose(1, 2));
-    const auto y = attend(q, k, v, bias, 1.0 / std::sqrt(static_cast<double>(D)));
+    const auto y = attend(q, k, v, bias, scale);
     return c_proj(y.transpose(1, 2).reshape({B, n, embd_}));
   }
   conv1d c_attn{nullptr}, c_proj{nullptr};
@@ -548,6 +586,17 @@ class gpt2_model_impl : public torch::nn::Cloneable<gpt2_model_impl> {
       } else {
         x = block->as<gpt2_block_impl>()->forward(x, bias, slot);
       }
+      ++l;
+    }
+    return ln_f(x);
+  }
+  /// The paged forward: token embeddings x0 (1, N, hidden) at positions (1, N) over the pool `kv`.
+  torch::Tensor forward_paged(const torch::Tensor& x0, const torch::Tensor& positions, const paged_batch& b,
+                              paged_kv& kv) {
+    auto x = x0 + wpe(positions);
+    std::size_t l = 0;
+    for (const auto& block : *h) {
+      x = block->as<gpt2_block_impl>()->forward(x, {}, kv_slot{&kv.k[l], &kv.v[l], 0, &b});
       ++l;
     }
     return ln_f(x);
@@ -702,6 +751,38 @@ class decoder_net_impl : public torch::nn::Cloneable<decoder_net_impl>, public l
     c.count = torch::zeros({batch}, opts.dtype(torch::kInt64));
     c.capacity = capacity;
     return c;
+  }
+
+  /// An empty paged pool of `slots` token slots per layer: (slots, H_kv, D) keys and values.
+  paged_kv make_paged_kv(std::int64_t slots) const {
+    UNIRL_CHECK(slots >= 1, "hf::causal_lm::make_paged_kv: slots = ", slots, ": expected >= 1");
+    const auto opts = embedding_weight().options().requires_grad(false);
+    paged_kv kv;
+    kv.slots = slots;
+    for (std::int64_t i = 0; i < c_.num_hidden_layers; ++i) {
+      kv.k.push_back(torch::zeros({slots, c_.kv_heads(), c_.head_size()}, opts));
+      kv.v.push_back(torch::zeros({slots, c_.kv_heads(), c_.head_size()}, opts));
+    }
+    return kv;
+  }
+
+  /// The paged forward (`PagedCausalLM`): -> (R, out | hidden) of `b.output_rows` (all N when
+  /// undefined). No device read: the engine checks token ids when they are submitted and
+  /// positions come with their host maximum (`b.max_position`).
+  torch::Tensor forward_paged(const paged_batch& b, paged_kv& kv, bool head = true) {
+    UNIRL_CHECK(b.ids.defined() && b.ids.dim() == 1 && b.positions.sizes() == b.ids.sizes(),
+                "hf::causal_lm: paged ids and positions must be (N,) int64 each");
+    UNIRL_CHECK(static_cast<std::int64_t>(kv.k.size()) == c_.num_hidden_layers, "hf::causal_lm: the paged pool has ",
+                kv.k.size(), " layers; the model ", c_.num_hidden_layers);
+    UNIRL_CHECK(!c_.is_gpt2() || b.max_position < c_.max_position_embeddings, "hf::causal_lm: position ",
+                b.max_position, " is past GPT-2's n_positions = ", c_.max_position_embeddings);
+    torch::NoGradGuard ng;
+    const auto ids = b.ids.unsqueeze(0), positions = b.positions.unsqueeze(0);
+    auto h = c_.is_gpt2() ? transformer->forward_paged(transformer->wte(ids), positions, b, kv)
+                          : model->forward_paged(model->embed_tokens(ids), positions, b, kv);
+    h = h.squeeze(0);
+    if (b.output_rows.defined()) h = h.index_select(0, b.output_rows);
+    return finish(h, head);
   }
 
   /// Incremental forward of the next n tokens: ids (B, n), mask (B, n) -> (B, n, out | hidden).
@@ -873,6 +954,10 @@ struct causal_lm : module_adapter<causal_lm, decoder_net> {
   torch::Tensor lm_head_weight() const { return net_->head_weight(); }
   /// Row i of the result is row `index[i]` of `c` (prefix sharing).
   kv_cache select_cache(const kv_cache& c, const torch::Tensor& index) const { return c.select(index); }
+  /// The paged cache of the rollout engine (`PagedCausalLM`): a pool of `slots` token slots.
+  paged_kv make_paged_kv(std::int64_t slots) const { return net_->make_paged_kv(slots); }
+  /// Logits (R, V) of the packed batch's output rows over the paged cache (`PagedCausalLM`).
+  torch::Tensor logits_paged(const paged_batch& b, paged_kv& kv) const { return net_.ptr()->forward_paged(b, kv); }
   std::int64_t vocab_size() const { return net_->config().vocab_size; }
   std::int64_t max_length() const { return net_->config().max_position_embeddings; }
   /// Activation checkpointing of the decoder layers (`checkpoint_kind::decoder_blocks`) in
@@ -900,6 +985,7 @@ struct causal_lm : module_adapter<causal_lm, decoder_net> {
 static_assert(CausalLM<causal_lm>);
 static_assert(PackedCausalLM<causal_lm>);
 static_assert(PrefixSharingCausalLM<causal_lm>);
+static_assert(PagedCausalLM<causal_lm>);
 static_assert(HiddenStateCausalLM<causal_lm>);
 static_assert(CriticFactory<causal_lm>);
 

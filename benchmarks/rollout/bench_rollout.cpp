@@ -1,0 +1,138 @@
+// The rollout engine (rollout/engine.hpp) against the static-batch `sample_tokens` on the same
+// requests, side by side in one run: generated tokens per second.
+//
+// Lengths: per sequence a completion length L is drawn and forced — the engine gets
+// max_new_tokens = L per request; `sample_tokens` runs the requests in batches of <batch>
+// (the engine's max_sequences), each with max_new_tokens = that batch's max(L) (a static batch
+// decodes until its longest row ends: the rows that stopped earlier stay in it, masked), no stop
+// token. Both count sum(L) generated tokens.
+//   long tail: L = the limit for 5 % of the sequences (every 20th), the others log-normal with
+//              median limit / 8 and sigma 1, clipped to [1, limit] (seed 0);
+//   equal:     L = limit / 2 for every sequence.
+// Models (random weights, float32): the quickstart's GPT (d_model 64, 2 layers, 4 heads; vocab 16;
+// its position table raised to prompt + limit) and Qwen2.5-0.5B's shapes with 4 layers (hidden 896,
+// 14 / 2 heads of 64, MLP 4864, vocabulary 151,936, tied).
+//
+//   bench_rollout [--threads=1] [--reps=3] [--gpt-seqs=256 --gpt-batch=64 --gpt-limit=128]
+//                 [--qwen-seqs=64 --qwen-batch=16 --qwen-limit=32] [--prompt=16]
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include <unirl/models/gpt.hpp>
+#include <unirl/models/hf/causal_lm.hpp>
+#include <unirl/rollout/engine.hpp>
+#include <unirl/rollout/token_sampler.hpp>
+
+#include "qwen_shapes.hpp"
+
+namespace {
+
+std::int64_t flag(int argc, char** argv, const std::string& name, std::int64_t def) {
+  const auto key = "--" + name + "=";
+  for (int i = 1; i < argc; ++i)
+    if (std::string(argv[i]).rfind(key, 0) == 0) return std::stoll(std::string(argv[i]).substr(key.size()));
+  return def;
+}
+
+std::vector<std::int64_t> lengths(std::int64_t n, std::int64_t limit, bool tail) {
+  std::vector<std::int64_t> out;
+  std::mt19937 rng(0);
+  std::lognormal_distribution<double> d(std::log(static_cast<double>(limit) / 8.0), 1.0);
+  for (std::int64_t i = 0; i < n; ++i) {
+    if (!tail) out.push_back(limit / 2);
+    else if (i % 20 == 19) out.push_back(limit);
+    else out.push_back(std::clamp<std::int64_t>(std::llround(d(rng)), 1, limit));
+  }
+  return out;
+}
+
+template <class M>
+void compare(const char* name, const M& model, std::int64_t seqs, std::int64_t batch, std::int64_t prompt,
+             std::int64_t limit, bool tail, std::int64_t reps) {
+  torch::NoGradGuard ng;
+  const auto V = model.vocab_size();
+  std::mt19937 rng(1);
+  std::uniform_int_distribution<std::int64_t> tok(0, V - 1);
+  unirl::prompt_batch in;
+  for (std::int64_t i = 0; i < seqs; ++i) {
+    std::vector<std::int64_t> p(static_cast<std::size_t>(prompt));
+    for (auto& x : p) x = tok(rng);
+    in.tokens.push_back(p);
+  }
+  const auto L = lengths(seqs, limit, tail);
+  std::int64_t work = 0;
+  for (const auto l : L) work += l;
+  using clock = std::chrono::steady_clock;
+  auto seconds = [](clock::time_point a) { return std::chrono::duration<double>(clock::now() - a).count(); };
+
+  // Alternating runs, the fastest of each side (a loaded machine's noise hits both).
+  double t_static = 1e300, t_engine = 1e300;
+  std::int64_t generated = 0, peak_blocks = 0, slot_bytes = 0;
+  for (std::int64_t rep = 0; rep < reps; ++rep) {
+    auto t0 = clock::now();
+    for (std::int64_t lo = 0; lo < seqs; lo += batch) {
+      const auto hi = std::min(seqs, lo + batch);
+      unirl::prompt_batch part{.tokens = {in.tokens.begin() + lo, in.tokens.begin() + hi}};
+      const auto b = unirl::sample_tokens(model, part, 1, {.max_new_tokens = *std::max_element(L.begin() + lo, L.begin() + hi)});
+      (void)b;
+    }
+    t_static = std::min(t_static, seconds(t0));
+    unirl::rollout::engine eng{model, {.block_size = 16, .kv_tokens = batch * (prompt + limit + 16),
+                                       .max_sequences = batch, .max_batch_tokens = std::max<std::int64_t>(512, batch)}};
+    for (std::int64_t i = 0; i < seqs; ++i)
+      eng.submit({.prompt = in.tokens[static_cast<std::size_t>(i)],
+                  .sampling = {.max_new_tokens = L[static_cast<std::size_t>(i)]}, .seed = static_cast<std::uint64_t>(i)});
+    t0 = clock::now();
+    generated = 0;
+    while (eng.has_work()) {
+      for (const auto& r : eng.step()) generated += static_cast<std::int64_t>(r.tokens.size());
+      peak_blocks = std::max(peak_blocks, eng.stats().used_blocks);
+    }
+    t_engine = std::min(t_engine, seconds(t0));
+    slot_bytes = eng.slot_bytes();
+  }
+  if (generated != work) std::fprintf(stderr, "engine generated %lld tokens, expected %lld\n", (long long)generated, (long long)work);
+  const double static_kv = static_cast<double>(batch * (prompt + limit) * slot_bytes) / (1 << 20);
+  const double engine_kv = static_cast<double>(peak_blocks * 16 * slot_bytes) / (1 << 20);
+  std::printf("| %s | %s | %lld x (%lld + <=%lld), batch %lld | %lld | %.0f | %.0f | %.2fx | %.1f | %.1f |\n", name,
+              tail ? "long tail" : "equal", (long long)seqs, (long long)prompt, (long long)limit, (long long)batch,
+              (long long)work,
+              static_cast<double>(work) / t_static, static_cast<double>(work) / t_engine, t_static / t_engine, static_kv,
+              engine_kv);
+  std::fflush(stdout);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  torch::set_num_threads(static_cast<int>(flag(argc, argv, "threads", 1)));
+  const auto prompt = flag(argc, argv, "prompt", 16);
+  const auto reps = flag(argc, argv, "reps", 3);
+  const auto gseqs = flag(argc, argv, "gpt-seqs", 256), gbatch = flag(argc, argv, "gpt-batch", 64),
+             glimit = flag(argc, argv, "gpt-limit", 128);
+  const auto qseqs = flag(argc, argv, "qwen-seqs", 64), qbatch = flag(argc, argv, "qwen-batch", 16),
+             qlimit = flag(argc, argv, "qwen-limit", 32);
+  std::printf("| model | lengths | requests x (prompt + completion), batch | generated tokens | sample_tokens tok/s | "
+              "engine tok/s | engine / static | static KV MiB | engine peak KV MiB |\n|---|---|---|---|---|---|---|---|---|\n");
+  torch::manual_seed(0);
+  unirl::models::gpt g{unirl::models::gpt_options{
+      .vocab_size = 16, .max_len = prompt + glimit, .n_layer = 2, .n_head = 4, .d_model = 64}};
+  g.train(false);
+  if (gseqs > 0)
+    for (const bool tail : {true, false}) compare("quickstart GPT", g, gseqs, gbatch, prompt, glimit, tail, reps);
+  if (qseqs > 0) {
+    unirl::models::hf::causal_lm q{unirl_bench::qwen_shapes(4)};
+    q.train(false);
+    for (const bool tail : {true, false}) compare("Qwen2.5-0.5B shapes, 4 layers", q, qseqs, qbatch, prompt, qlimit, tail, reps);
+  }
+  return 0;
+}
