@@ -274,7 +274,7 @@ class ppo_agent {
     return exec::small_net_fits(width, params);
   }
 
-  // (A placeholder head for a form the kernels lack: never built.)
+  // For a form the kernels lack, a categorical head stands in the type: it is never built.
   using head_type = typename std::conditional_t<models::has_small_net<Dist>, models::small_net_head_of<Dist>,
                                                 std::type_identity<ops::categorical_head>>::type;
   using net_type = ops::small_actor_critic<Scalar, head_type>;

@@ -21,7 +21,7 @@
 /// df::save_lora(*model.net(), "out/lora");    // transformer.<module>.lora_A.weight / lora_B.weight
 /// ```
 ///
-/// T5: `text_encoder_3` is not implemented. A pipeline folder whose model_index.json names one
+/// T5: `text_encoder_3` is not supported. A pipeline folder whose model_index.json names one
 /// is an error unless `load_options::allow_missing_t5` is set; SD3 then runs as diffusers runs it
 /// without T5: the T5 tokens are zeros, `t5_tokens` of them (default 77, the CLIP tokenizer's
 /// length, as diffusers' StableDiffusion3Pipeline up to 0.32; newer releases use
@@ -212,7 +212,7 @@ inline sd3_pipeline load_sd3(const std::filesystem::path& dir, const sd3_load_op
                 index_file.string(), ": component '", tok, "': expected class CLIPTokenizer");
   }
   UNIRL_CHECK(!p.index.component("text_encoder_3") || o.allow_missing_t5, "diffusers ", index_file.string(),
-              ": component 'text_encoder_3' (T5) is not implemented: set allow_missing_t5 to run with zero T5 tokens");
+              ": component 'text_encoder_3' (T5) is not supported: set allow_missing_t5 to run with zero T5 tokens");
   for (const auto& [name, c] : p.index.components) {
     static const std::set<std::string> known{"transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3",
                                              "tokenizer", "tokenizer_2", "tokenizer_3", "scheduler",
@@ -220,7 +220,7 @@ inline sd3_pipeline load_sd3(const std::filesystem::path& dir, const sd3_load_op
     UNIRL_CHECK(known.count(name) != 0, "diffusers ", index_file.string(), ": key '", name,
                 "': unknown component of StableDiffusion3Pipeline");
     if (name == "image_encoder" || name == "feature_extractor")
-      UNIRL_CHECK(!c, "diffusers ", index_file.string(), ": component '", name, "' (IP-Adapter) is not implemented");
+      UNIRL_CHECK(!c, "diffusers ", index_file.string(), ": component '", name, "' (IP-Adapter) is not supported");
   }
   UNIRL_CHECK(o.t5_tokens >= 0, "diffusers::load_sd3: t5_tokens = ", o.t5_tokens, ": expected >= 0");
   p.t5_tokens = o.t5_tokens;
