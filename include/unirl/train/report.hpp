@@ -388,6 +388,18 @@ inline constexpr const char* report_js = R"unirl_js(
     }
     return out;
   }
+  // A constant series gets a small range around its value (uPlot's default for 0 is 0..100).
+  function yRange(u, min, max) {
+    if (min === null || max === null) return [0, 1];
+    if (min === max) { var d = Math.abs(min) * 0.1 || 1; return [min - d, max + d]; }
+    return uPlot.rangeNum(min, max, 0.1, true);
+  }
+  function tick(v) {
+    if (v === null || v === undefined) return '';
+    if (v !== 0 && Math.abs(v) < 1e-3) return v.toExponential(1).replace('.0e', 'e');
+    if (Math.abs(v) >= 1e5) return v.toExponential(1).replace('.0e', 'e');
+    return String(Number(v.toPrecision(4)));
+  }
   var charts = [];
   function draw() {
     charts.forEach(function (c) { c.destroy(); });
@@ -404,10 +416,13 @@ inline constexpr const char* report_js = R"unirl_js(
         m.keys.forEach(function (k) { if (keys.indexOf(k) < 0) keys.push(k); });
       });
     });
-    var q = filter.value.trim().toLowerCase();
-    keys = keys.filter(function (k) { return !q || k.toLowerCase().indexOf(q) >= 0; });
+    // The filter: words (space, comma or | between them); a key is shown when it contains one.
+    var terms = filter.value.toLowerCase().split(/[\s,|]+/).filter(Boolean);
+    keys = keys.filter(function (k) {
+      return !terms.length || terms.some(function (t) { return k.toLowerCase().indexOf(t) >= 0; });
+    });
     // The rewards first, then the losses and KL, then the rest in their order.
-    function rank(k) { return /^reward/.test(k) ? 0 : /^(loss|kl|entropy|accuracy)/.test(k) ? 1 : 2; }
+    function rank(k) { return k === 'reward_mean' ? 0 : /^reward/.test(k) ? 1 : /^(loss|kl|entropy|accuracy)/.test(k) ? 2 : 3; }
     keys = keys.map(function (k, i) { return [rank(k), i, k]; })
                .sort(function (a, b) { return a[0] - b[0] || a[1] - b[1]; }).map(function (e) { return e[2]; });
     // As many columns of at least 300 px as fit (a chart's box adds 10 px, the gap 10 px).
@@ -447,7 +462,9 @@ inline constexpr const char* report_js = R"unirl_js(
       box.appendChild(el('div', 'title', key)).title = key;
       grid.appendChild(box);
       var u = new uPlot({ width: width, height: 200, series: series, legend: { show: false },
-                          scales: { x: { time: false } }, axes: [{ size: 30 }, { size: 56 }], cursor: { sync: { key: 'unirl' } } },
+                          scales: { x: { time: false }, y: { range: yRange } },
+                          axes: [{ size: 30 }, { size: 56, values: function (u, ticks) { return ticks.map(tick); } }],
+                          cursor: { sync: { key: 'unirl' } } },
                         aligned, box);
       charts.push(u);
       window.unirlRendered.charts++;
@@ -460,6 +477,9 @@ inline constexpr const char* report_js = R"unirl_js(
     });
     if (!keys.length && files.length) grid.appendChild(el('p', 'muted', 'No key matches the filter.'));
   }
+  // report.html#filter=reward,loss opens with that filter.
+  var fromHash = /[#&]filter=([^&]*)/.exec(location.hash);
+  if (fromHash) filter.value = decodeURIComponent(fromHash[1]);
   [fileSel, showRaw, showSmooth].forEach(function (e) { e.addEventListener('change', draw); });
   smoothIn.addEventListener('input', draw);
   filter.addEventListener('input', draw);
@@ -578,16 +598,16 @@ inline std::string render_report(const std::vector<std::filesystem::path>& runs,
        "<span id=\"smooth-value\"></span></label>"
     << "<label><input id=\"smoothed\" type=\"checkbox\" checked> smoothed</label>"
     << "<label><input id=\"raw\" type=\"checkbox\" checked> raw</label>"
-    << "<label>keys <input id=\"filter\" type=\"search\" placeholder=\"filter, e.g. reward\"></label>"
+    << "<label>keys <input id=\"filter\" type=\"search\" placeholder=\"filter, e.g. reward loss\"></label>"
     << "<span class=\"muted\" id=\"rows\"></span></div>\n"
     << "<p class=\"muted\">One colour per run; faint: the raw values, solid: smoothed (exponential moving "
        "average, debiased). Drag to zoom, double-click to reset.</p>\n"
     << "<div class=\"grid\" id=\"grid\"></div>\n"
     << "<div class=\"notes\" id=\"notes\"></div>\n"
     << "<h2>Summary</h2><div id=\"summary\"></div>\n"
-    << "<h2>Recipe / options</h2><div id=\"recipe\"></div>\n"
     << "<h2>Sampled completions</h2><div id=\"samples\"></div>\n"
     << "<h2>Images</h2><div id=\"images\"></div>\n"
+    << "<h2>Recipe / options</h2><div id=\"recipe\"></div>\n"
     << "<p class=\"muted\">Written " << when << " by unirl (charts: uPlot " << vendor::uplot_version
     << ", MIT licence).</p>\n</main>\n"
     << "<pre id=\"unirl-selftest\"></pre>\n"
