@@ -34,6 +34,7 @@
 /// errors caught from `window.onerror` and `console.error`) as JSON into `#unirl-selftest`, which
 /// the browser test reads from Chromium's `--dump-dom`.
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -41,11 +42,12 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
-#include <map>
 #include <set>
 #include <sstream>
 #include <string>
+#include <string_view>
 #include <system_error>
+#include <utility>
 #include <vector>
 
 #include <boost/beast/core/detail/base64.hpp>
