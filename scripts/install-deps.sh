@@ -14,6 +14,7 @@ packages=(
   libeigen3-dev libboost-dev libbenchmark-dev
   nlohmann-json3-dev libyaml-cpp-dev libstb-dev zlib1g-dev
   libre2-dev                         # RE2: linear-time regular expressions of the rule rewards
+  chromium                           # headless browser of the run report's test (tool.unirl_report_browser)
 )
 # What differs (names checked with apt-cache on each release).
 bookworm_packages=(
@@ -23,6 +24,7 @@ bookworm_packages=(
 trixie_packages=(
   libcatch2-dev                      # Catch2 3 ("catch2" is only a transitional package there)
   clang libclang-rt-19-dev           # clang 19 and its libFuzzer runtime
+  python3-safetensors                # the official safetensors library: io.official_reads_unirl (Debian 12 has none)
 )
 case "$codename" in
   bookworm) packages+=("${bookworm_packages[@]}") ;;

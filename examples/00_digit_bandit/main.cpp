@@ -11,6 +11,7 @@
 #include <unirl/core/command_line.hpp>
 #include <unirl/trainer.hpp>
 #include <unirl/train/plot.hpp>
+#include <unirl/train/report.hpp>
 
 #include "common/bandit.hpp"
 #include "common/digits.hpp"
@@ -74,7 +75,8 @@ int main(int argc, char** argv) try {
   nlohmann::json summary{{"accuracy_before", before}, {"accuracy_after", after}, {"steps", opt.steps},
                          {"seconds", seconds}, {"options", unirl::options::to_json(opt)}};
   std::ofstream(out + "/summary.json") << summary.dump(2) << "\n";
-  std::cout << "wrote " << out << "/{metrics.jsonl, reward_curve.png, summary.json, checkpoint.pt}\n";
+  unirl::train::write_report(out);
+  std::cout << "wrote " << out << "/{metrics.jsonl, reward_curve.png, summary.json, report.html, checkpoint.pt}\n";
   return 0;
 } catch (const std::exception& e) {
   std::cerr << e.what() << "\n";

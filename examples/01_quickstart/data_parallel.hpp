@@ -142,7 +142,8 @@ int learn_with(Strategy par, const dp_mode& m, const quickstart_options& o, task
                                        {"zero_stage", m.zero_stage},
                                        {"optimizer_state_bytes_rank0", state_bytes}}}};
   std::ofstream(std::filesystem::path(out) / "summary.json") << summary.dump(2) << "\n";
-  std::cout << "wrote " << out << "/metrics.jsonl, summary.json\n";
+  unirl::train::write_report(out);
+  std::cout << "wrote " << out << "/metrics.jsonl, samples.jsonl, summary.json, report.html\n";
   return 0;
 }
 

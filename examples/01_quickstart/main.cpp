@@ -32,6 +32,7 @@
 #include <unirl/rewards/weighted.hpp>
 #include <unirl/rollout/token_sampler.hpp>
 #include <unirl/train/plot.hpp>
+#include <unirl/train/report.hpp>
 #include <unirl/train/sft.hpp>
 #include <unirl/trainer.hpp>
 
@@ -135,6 +136,8 @@ trainer_t::options stage2_options(const quickstart_options& o, const task& t, co
           .group_size = o.group_size,
           .seed = o.seed,
           .metrics_path = metrics_path,
+          .samples_path = metrics_path.empty() ? std::string{}
+                                               : (std::filesystem::path(metrics_path).parent_path() / "samples.jsonl").string(),
           .progress = progress,
           .total_steps = o.rl_steps};
 }
@@ -243,7 +246,8 @@ int main(int argc, char** argv) try {
                          {"seconds", seconds},            {"pretrain_seconds", pretrain_seconds},
                          {"rl_seconds", rl_seconds},      {"options", unirl::options::to_json(o)}};
   std::ofstream(std::filesystem::path(out) / "summary.json") << summary.dump(2) << "\n";
-  std::cout << "wrote " << out << "/metrics.jsonl, reward_curve.png, summary.json\n";
+  unirl::train::write_report(out);
+  std::cout << "wrote " << out << "/metrics.jsonl, samples.jsonl, reward_curve.png, summary.json, report.html\n";
   return 0;
 } catch (const std::exception& e) {
   std::cerr << "quickstart: " << e.what() << "\n";

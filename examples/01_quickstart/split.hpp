@@ -143,7 +143,8 @@ inline int learn(const quickstart_options& o, const examples::split_mode& m, tas
                          {"staleness_max", staleness_max},
                          {"dropped", tr.dropped()}};
   std::ofstream(std::filesystem::path(out) / "summary.json") << summary.dump(2) << "\n";
-  std::cout << "wrote " << out << "/metrics.jsonl, reward_curve.png, summary.json\n";
+  unirl::train::write_report(out);
+  std::cout << "wrote " << out << "/metrics.jsonl, reward_curve.png, summary.json, report.html\n";
   return 0;
 }
 

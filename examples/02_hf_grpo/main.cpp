@@ -36,6 +36,7 @@
 #include <unirl/recipes/token_recipe.hpp>
 #include <unirl/tokenizers/chat.hpp>
 #include <unirl/tokenizers/train.hpp>
+#include <unirl/train/report.hpp>
 #include <unirl/train/sft.hpp>
 
 #include "common/addition.hpp"
@@ -231,7 +232,8 @@ int main(int argc, char** argv) try {
                          {"tokenizer_vocab", tok.vocab_size()},    {"export_dir", res.export_dir},
                          {"options", unirl::options::to_json(o)}};
   std::ofstream(out / "summary.json") << summary.dump(2) << "\n";
-  std::cout << "wrote " << (out / "summary.json").string() << "\n";
+  unirl::train::write_report(out);  // the RL stage's own is rl/report.html
+  std::cout << "wrote " << (out / "summary.json").string() << ", " << (out / "report.html").string() << "\n";
   return 0;
 } catch (const std::exception& e) {
   std::cerr << "hf_grpo: " << e.what() << "\n";

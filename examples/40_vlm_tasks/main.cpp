@@ -43,6 +43,7 @@
 #include <unirl/rewards/weighted.hpp>
 #include <unirl/rollout/token_logprob.hpp>
 #include <unirl/rollout/token_sampler.hpp>
+#include <unirl/train/report.hpp>
 #include <unirl/train/sft.hpp>
 #include <unirl/train/supervised.hpp>
 #include <unirl/trainer.hpp>
@@ -361,6 +362,7 @@ int main(int argc, char** argv) try {
         .group_size = o.group_size,
         .seed = o.seed,
         .metrics_path = (std::filesystem::path(out) / "metrics.jsonl").string(),
+        .samples_path = (std::filesystem::path(out) / "samples.jsonl").string(),
         .progress = false,
         .total_steps = o.rl_steps};
   };
@@ -464,7 +466,9 @@ int main(int argc, char** argv) try {
                          {"options", unirl::options::to_json(o)}};
   if (kind == task_kind::agent) summary["malformed_rl_samples"] = malformed_total;
   std::ofstream(std::filesystem::path(out) / "summary.json") << summary.dump(2) << "\n";
-  std::cout << "wrote " << out << "/summary.json, metrics.jsonl" << (png.empty() ? "" : ", canvases.png") << "\n";
+  unirl::train::write_report(out);
+  std::cout << "wrote " << out << "/summary.json, metrics.jsonl, samples.jsonl, report.html"
+            << (png.empty() ? "" : ", canvases.png") << "\n";
   std::cout << "vlm_tasks " << task_name << " done: " << t.figure_name() << " " << std::setprecision(3)
             << before.figure << " -> " << after.figure << "\n";
   if (cache_mismatches > 0) {  // the vision cache failed: some step encoded an image more than once

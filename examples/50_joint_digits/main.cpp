@@ -60,6 +60,7 @@
 #include <unirl/joint.hpp>
 #include <unirl/rewards/rules.hpp>
 #include <unirl/token.hpp>
+#include <unirl/train/report.hpp>
 #include <unirl/train/sft.hpp>
 
 #include "common/addition.hpp"
@@ -480,8 +481,9 @@ nlohmann::json run_mode(shared_setup& s, const std::string& mode, const unirl::j
                          {"before", evaluation_json(before)},
                          {"after", evaluation_json(after)}};
   std::ofstream(out + "/summary.json") << summary.dump(2) << "\n";
+  unirl::train::write_report(out);
   std::cout << "wrote " << out << "/{summary.json, metrics.jsonl, reward_curve.png, samples_before.png, "
-            << "samples_after.png, fingerprint.txt, checkpoint.pt}\n";
+            << "samples_after.png, report.html, fingerprint.txt, checkpoint.pt}\n";
   return summary;
 }
 
@@ -632,6 +634,7 @@ nlohmann::json run_multitask(shared_setup& s, const example_options& opt) {
                          {"seconds", seconds},  {"before", before},              {"after", after},
                          {"tasks", tasks}};
   std::ofstream(out + "/summary.json") << summary.dump(2) << "\n";
+  unirl::train::write_report(out);
   std::cout << "| task | steps | before | after |\n|---|---|---|---|\n";
   for (const auto& [name, key] : {std::pair{"enhancer", "enhancer_reward"}, std::pair{"digits", "digits_reward"},
                                   std::pair{"addition", "addition_accuracy"}}) {
@@ -641,7 +644,7 @@ nlohmann::json run_multitask(shared_setup& s, const example_options& opt) {
     std::cout << "| " << name << " | " << n << " | " << std::setprecision(3) << before[key].get<double>() << " | "
               << after[key].get<double>() << " |\n";
   }
-  std::cout << "wrote " << out << "/{summary.json, metrics.jsonl}\n";
+  std::cout << "wrote " << out << "/{summary.json, metrics.jsonl, report.html}\n";
   return summary;
 }
 
@@ -731,7 +734,12 @@ int main(int argc, char** argv) try {
                          {"reward", {{"center", s.reward.center}, {"scale", s.reward.scale}}},
                          {"options", unirl::options::to_json(opt)}};
   std::ofstream(s.root + "/summary.json") << summary.dump(2) << "\n";
-  std::cout << "wrote " << s.root << "/summary.json\njoint_digits done: " << modes.size() << " run(s)\n";
+  // The root's report overlays the modes' runs (one colour per mode).
+  std::vector<std::filesystem::path> runs;
+  for (const auto& m : modes) runs.emplace_back(s.root + "/" + m);
+  unirl::train::write_report(runs, s.root + "/report.html", {.title = "joint_digits: " + std::to_string(modes.size()) + " mode(s)"});
+  std::cout << "wrote " << s.root << "/summary.json, " << s.root << "/report.html\njoint_digits done: " << modes.size()
+            << " run(s)\n";
   return 0;
 } catch (const std::exception& e) {
   std::cerr << "joint_digits: " << e.what() << "\n";

@@ -19,6 +19,7 @@
 #include <unirl/core/command_line.hpp>
 #include <unirl/core/error.hpp>
 #include <unirl/core/options.hpp>
+#include <unirl/train/report.hpp>
 
 namespace examples {
 
@@ -118,7 +119,7 @@ double train_env(Trainer& t, VectorEnv& venv, const env_run& run, std::int64_t e
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
-/// Writes `<out>/summary.json` and prints it: `env`, `algorithm` ("ppo"), the seed, the mean
+/// Writes `<out>/summary.json` (and the run report, `<out>/report.html`) and prints it: `env`, `algorithm` ("ppo"), the seed, the mean
 /// return of the last 20 episodes, the episode and step counts, the seconds and the steps per
 /// second, and `extra`.
 template <class VectorEnv>
@@ -133,6 +134,7 @@ void write_env_summary(const env_run& run, const std::string& env, const VectorE
                               {"seconds", seconds},
                               {"steps_per_second", static_cast<double>(venv.env_steps()) / seconds}});
   std::ofstream(run.out + "/summary.json") << extra.dump(2) << "\n";
+  unirl::train::write_report(run.out);
   std::cout << extra.dump(2) << std::endl;
 }
 

@@ -31,6 +31,7 @@
 #include <unirl/core/options.hpp>
 #include <unirl/rollout/flow_samplers.hpp>
 #include <unirl/train/flow_matching.hpp>
+#include <unirl/train/report.hpp>
 
 #include "common/digits.hpp"
 
@@ -238,7 +239,7 @@ run_summary summarize(const std::string& name, const AlgoOptions& algo, const Ev
 
 /// Writes the outputs of a run in `out`: `<stem>_before.png` and `<stem>_after.png` (grids of
 /// `rows` x `cols` tiles of (N, H, W) images, `scale` pixels a pixel), `reward_curve.png` from
-/// `metrics.jsonl`, and `summary.json`; then says so.
+/// `metrics.jsonl`, `summary.json` and the run report `report.html`; then says so.
 inline void write_outputs(const std::string& out, const std::string& stem, const torch::Tensor& before,
                           const torch::Tensor& after, std::int64_t rows, std::int64_t cols, int scale,
                           const run_summary& s) {
@@ -256,8 +257,9 @@ inline void write_outputs(const std::string& out, const std::string& stem, const
                                 {"classifier_accuracy", s.classifier_accuracy},
                                 {"algorithm_options", s.algorithm_options}});
   std::ofstream(out + "/summary.json") << summary.dump(2) << "\n";
+  unirl::train::write_report(out);
   std::cout << "wrote " << out << "/{summary.json, metrics.jsonl, reward_curve.png, " << stem << "_before.png, " << stem
-            << "_after.png}\n";
+            << "_after.png, report.html}\n";
 }
 
 /// The command line of the flow examples, `[--algorithm grpo|dppo|ram|nft] [--out DIR]

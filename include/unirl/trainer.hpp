@@ -93,6 +93,10 @@ struct trainer_options {
   std::int64_t seed = 0;          // seeds LibTorch's generators (plus the rank)
   std::string device = "cpu";     // "cpu", "cuda", "cuda:1"
   std::string metrics_path{};     // JSONL, one object per step; empty: none
+  std::string samples_path{};     // JSONL of sampled completions with their rewards (text batches:
+                                  // prompt, completion, reference, reward), for the run report; empty: none
+  std::int64_t samples_every = 10;  // steps between two writes of samples_path (steps 0, N, 2N, ...)
+  std::int64_t samples_count = 4;   // samples written each time (the batch's first ones)
   bool progress = true;           // one-line progress display on stderr
   std::int64_t total_steps = 0;   // for the ETA, and the schedule when its total_steps is 0
 
@@ -109,6 +113,8 @@ struct trainer_options {
       options::require(epochs * minibatches == 1, p + "epochs", epochs,
                        "1 with minibatches = 1: this algorithm is strictly on-policy");
     options::require(total_steps >= 0, p + "total_steps", total_steps, ">= 0");
+    options::require(samples_every >= 1, p + "samples_every", samples_every, ">= 1");
+    options::require(samples_count >= 1, p + "samples_count", samples_count, ">= 1");
     try {
       (void)torch::Device(device);
     } catch (const std::exception&) {
@@ -132,7 +138,8 @@ struct accessors_impl<unirl::trainer_options<A>> {
                       UNIRL_MEMBER(guard), UNIRL_MEMBER(memory), UNIRL_MEMBER(precision), UNIRL_MEMBER(loss_scale),
                       UNIRL_MEMBER(group_size), UNIRL_MEMBER(epochs), UNIRL_MEMBER(minibatches),
                       UNIRL_MEMBER(micro_batch_size), UNIRL_MEMBER(seed), UNIRL_MEMBER(device),
-                      UNIRL_MEMBER(metrics_path), UNIRL_MEMBER(progress), UNIRL_MEMBER(total_steps));
+                      UNIRL_MEMBER(metrics_path), UNIRL_MEMBER(samples_path), UNIRL_MEMBER(samples_every),
+                      UNIRL_MEMBER(samples_count), UNIRL_MEMBER(progress), UNIRL_MEMBER(total_steps));
   }
 #undef UNIRL_MEMBER
 };
@@ -319,6 +326,7 @@ class trainer {
     }
     check_rewards(rewards, batch->size());
     last_rewards_ = rewards;
+    record_samples(*batch, rewards);
     if constexpr (ReportsComponents<Reward>)
       for (const auto& [k, v] : reward_.last_components()) s.extra["reward/" + k] = v;
     const auto t2 = clock::now();
@@ -1014,6 +1022,29 @@ class trainer {
     progress_->update(s);
   }
 
+  // Every `samples_every` steps, the first `samples_count` samples of a text batch (one with
+  // decoded completions) and their rewards as rows of `samples_path` (rank 0; appended after a
+  // resume). One read of the rewards on those steps only.
+  void record_samples(const rollout_type& b, const torch::Tensor& rewards) {
+    if constexpr (requires { b.completions; b.prompts; b.references; }) {
+      if (opts_.samples_path.empty() || parallel_.rank() != 0 || step_ % opts_.samples_every != 0 ||
+          b.completions.empty())
+        return;
+      if (!samples_) samples_.emplace(opts_.samples_path, resumed_);
+      const auto n = std::min<std::int64_t>(opts_.samples_count, static_cast<std::int64_t>(b.completions.size()));
+      const torch::Tensor r = rewards.detach().reshape({-1}).slice(0, 0, n).to(torch::kCPU, torch::kFloat64).contiguous();
+      for (std::int64_t i = 0; i < n; ++i) {
+        const auto k = static_cast<std::size_t>(i);
+        samples_->write({{"step", step_},
+                         {"sample", i},
+                         {"prompt", k < b.prompts.size() ? b.prompts[k] : std::string{}},
+                         {"completion", b.completions[k]},
+                         {"reference", k < b.references.size() ? b.references[k] : std::string{}},
+                         {"reward", r.data_ptr<double>()[i]}});
+      }
+    }
+  }
+
   options opts_;
   torch::Device device_;
   Parallel parallel_;
@@ -1026,6 +1057,7 @@ class trainer {
   std::vector<torch::Tensor> shards_;                               // ShardedParallelStrategy: the optimizer's pieces
   std::vector<std::pair<std::string, double>> shard_clip_groups_;  // ... and the groups clipped on their own
   std::optional<train::metrics_writer> metrics_;
+  std::optional<train::metrics_writer> samples_;
   std::optional<train::progress_line> progress_;
   std::int64_t step_ = 0;
   torch::Tensor last_rewards_;

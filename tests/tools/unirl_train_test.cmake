@@ -3,7 +3,7 @@
 # 1. 6 steps straight; 2. 4 steps, then the same command with steps=6 resumes at step 4 by itself;
 # the two exports are byte-identical (resume bit for bit, data position included) and load back;
 # 3. LoRA (lora.rank): merged export + PEFT adapter; 4. the SFT stage (sft.steps), then resumed;
-# 5. errors: a bad recipe key, a bad JSONL record.
+# 5. errors: a bad recipe key, a bad JSONL record. The first run also writes samples.jsonl and report.html.
 foreach(v TOOL RECIPE WORK)
   if(NOT DEFINED ${v})
     message(FATAL_ERROR "${v} is not set")
@@ -21,6 +21,13 @@ endfunction()
 run_tool(a steps=6 out=${WORK}/straight checkpoint.every=2 checkpoint.keep=2)
 if(NOT a MATCHES "^0\n" OR NOT a MATCHES "6 steps \\(from step 0\\)")
   message(FATAL_ERROR "straight run failed:\n${a}")
+endif()
+# The run report (docs/unirl-train.md) and its samples: steps 0 of 6 (samples_every 10), 4 samples.
+file(STRINGS "${WORK}/straight/samples.jsonl" sample_lines)
+list(LENGTH sample_lines n_samples)
+file(READ "${WORK}/straight/report.html" report_html)
+if(NOT n_samples EQUAL 4 OR NOT report_html MATCHES "id=\"unirl-data\"" OR NOT report_html MATCHES "\"completion\"")
+  message(FATAL_ERROR "the run wrote ${n_samples} sample lines (expected 4) or a report without its samples")
 endif()
 file(GLOB kept "${WORK}/straight/checkpoints/step-*.pt")
 list(LENGTH kept n_kept)

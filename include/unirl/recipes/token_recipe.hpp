@@ -47,6 +47,7 @@
 #include <unirl/rollout/token_sampler.hpp>
 #include <unirl/tokenizers/bpe.hpp>
 #include <unirl/tokenizers/chat.hpp>
+#include <unirl/train/report.hpp>
 #include <unirl/train/run_directory.hpp>
 #include <unirl/train/sft.hpp>
 #include <unirl/trainer.hpp>
@@ -429,6 +430,7 @@ run_result run_with(const token_recipe& r) {
   topts.seed = r.seed;
   topts.device = r.device;
   topts.metrics_path = (out / "metrics.jsonl").string();
+  topts.samples_path = (out / "samples.jsonl").string();
   topts.progress = r.progress;
   topts.total_steps = r.steps;
   run_result res;
@@ -486,13 +488,14 @@ run_result run_with(const token_recipe& r) {
                          {"seconds", res.seconds},                 {"export_dir", res.export_dir},
                          {"recipe", options::to_json(r)}};
   std::ofstream(out / "summary.json") << summary.dump(2) << "\n";
+  train::write_report(out);
   return res;
 }
 
 }  // namespace detail
 
-/// Runs a recipe end to end (see the file comment); writes metrics.jsonl, checkpoints/,
-/// summary.json and the export under `r.out`.
+/// Runs a recipe end to end (see the file comment); writes metrics.jsonl, samples.jsonl,
+/// checkpoints/, summary.json, report.html and the export under `r.out`.
 inline run_result run(const token_recipe& r) {
   options::validate(r);
   if (r.algorithm == algorithm_name::ppo) return detail::run_with<algo::ppo<>::for_track<token_track>>(r);

@@ -55,10 +55,11 @@ class metrics_writer {
   }
   bool is_open() const { return out_.is_open(); }
   const std::string& path() const { return path_; }
-  /// Writes `row` as one line and flushes it. Non-finite numbers become `null`.
+  /// Writes `row` as one line and flushes it. Non-finite numbers become `null`; invalid UTF-8 in a
+  /// string (text a model wrote, cut inside a character) becomes U+FFFD.
   void write(const nlohmann::json& row) {
     if (!out_.is_open()) return;
-    out_ << row.dump() << '\n';
+    out_ << row.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << '\n';
     out_.flush();
     if (!out_) throw error("metrics_writer: writing to '" + path_ + "' failed");
   }

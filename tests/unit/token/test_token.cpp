@@ -251,6 +251,49 @@ TEST_CASE("grpo through unirl::trainer raises the reward on an easy task", "[cpu
   CHECK(last > first + 0.3);
 }
 
+TEST_CASE("trainer: samples_path holds the first samples_count completions of every samples_every-th step, with "
+          "their rewards", "[cpu][token][integration]") {
+  namespace fs = std::filesystem;
+  const auto dir = fs::temp_directory_path() / ("unirl_samples_" + std::to_string(std::random_device{}()));
+  using grpo_t = trainer<models::gpt, algo::grpo<>, count_target>;
+  grpo_t t{small_gpt(),
+           count_target{},
+           {.algorithm = {.sampling = {.max_new_tokens = 5}},
+            .group_size = 4,
+            .seed = 3,
+            .samples_path = (dir / "samples.jsonl").string(),
+            .samples_every = 2,
+            .samples_count = 3,
+            .progress = false}};
+  prompt_batch in{.tokens = {{2}, {3, 4}}, .texts = {"two", "three four"}, .references = {"r2", "r34"}};
+  in.decode = [](const std::vector<std::int64_t>& ids) {
+    std::string s;
+    for (auto v : ids) s += static_cast<char>('a' + v);
+    return s;
+  };
+  for (int s = 0; s < 5; ++s) t.step(in);
+  const auto rows = train::read_metrics((dir / "samples.jsonl").string());
+  REQUIRE(rows.size() == 9);  // steps 0, 2, 4; three samples each (all of the first prompt's group)
+  const auto last = t.last_rewards().to(torch::kFloat64);
+  for (std::size_t i = 0; i < rows.size(); ++i) {
+    const auto& r = rows[i];
+    CHECK(r.at("step").get<std::int64_t>() == static_cast<std::int64_t>(2 * (i / 3)));
+    CHECK(r.at("sample").get<std::int64_t>() == static_cast<std::int64_t>(i % 3));
+    CHECK(r.at("prompt") == "two");
+    CHECK(r.at("reference") == "r2");
+    // count_target's reward from the text alone: the share of token 1 ('b') among the 5 tokens
+    const auto text = r.at("completion").get<std::string>();
+    REQUIRE(text.size() == 5);
+    CHECK(r.at("reward").get<double>() == Approx(std::count(text.begin(), text.end(), 'b') / 5.0).margin(1e-6));
+    if (i >= 6) CHECK(r.at("reward").get<double>() == Approx(last[static_cast<std::int64_t>(i - 6)].item<double>()));
+  }
+  auto [key, what] = unirl_test::config_error_of(
+      [] { grpo_t bad{small_gpt(), count_target{}, {.group_size = 4, .samples_every = 0, .progress = false}}; });
+  CHECK(key == "samples_every");
+  CHECK_THAT(what, Catch::Contains(">= 1"));
+  fs::remove_all(dir);
+}
+
 TEST_CASE("ppo (token track) through unirl::trainer raises the reward on an easy task", "[cpu][token][integration]") {
   using algo_t = algo::ppo<>;
   trainer<models::gpt, algo_t, count_target> t{
