@@ -80,6 +80,14 @@ if(CASE STREQUAL "algorithms")
   endforeach()
   file(READ "${WORK}/dapo/metrics.jsonl" m)
   expect("algorithm=dapo: no dynamic sampling (no dynamic_sampling metric)" m MATCHES "dynamic_sampling/kept_groups")
+  # The README's command line (no recipe file), on the fixture's model and data.
+  string(JSON model GET "${j}" model)
+  string(JSON data GET "${j}" data path)
+  execute_process(COMMAND "${TOOL}" model=${model} data.path=${data} data.prompt_key=question algorithm=dapo steps=3
+                          sampling.max_new_tokens=6 out=${WORK}/readme progress=false
+                  RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err TIMEOUT 300)
+  expect("the README's unirl-train command failed:\n${rc}\n${out}\n${err}" rc EQUAL 0 AND out MATCHES "3 steps"
+         AND EXISTS "${WORK}/readme/export/model.safetensors")
   # DAPO from a recipe of its own, after a supervised stage (the filter reward is the recipe's reward).
   string(JSON j SET "${j}" algorithm "\"dapo\"")
   string(JSON j SET "${j}" sft steps 2)
@@ -221,7 +229,12 @@ elseif(CASE STREQUAL "signal")
 elseif(CASE STREQUAL "help")
   execute_process(COMMAND "${TOOL}" --help RESULT_VARIABLE rc OUTPUT_VARIABLE h ERROR_VARIABLE e TIMEOUT 60)
   expect("--help failed: ${e}" rc EQUAL 0)
-  expect("--help lacks descriptions:\n${h}" NOT h MATCHES "no description")
+  # Every key line is followed by its description line.
+  string(REGEX MATCHALL "\n[a-z_.0-9]+ = " keys "${h}")
+  string(REGEX MATCHALL "\n[a-z_.0-9]+ = [^\n]*\n    [^ \n]" described "${h}")
+  list(LENGTH keys nk)
+  list(LENGTH described nd)
+  expect("--help: ${nd} of ${nk} keys have a description:\n${h}" nk GREATER 100 AND nd EQUAL nk)
   expect("--help lists keys that cannot be set" NOT h MATCHES "\ngrpo\\.sampling\\." AND NOT h MATCHES "\nppo\\.track\\.sampling\\.")
   expect("--help does not give the type and allowed values:\n${h}"
          h MATCHES "\nalgorithm = grpo  \\[grpo\\|dapo\\|dr_grpo\\|rloo\\|reinforce_pp\\|ppo\\]\n    [a-zA-Z]"

@@ -430,10 +430,9 @@ void help_into(std::ostream& os, const T& v, const std::string& prefix, std::vec
     if constexpr (is_reflectable<M>) {
       help_into(os, member, key, hidden);
     } else {
-      std::string_view text = "(no description)";
+      os << key << " = " << value_text(member) << "  [" << help_type<M>() << "]\n";
       for (const auto& d : field_docs<T>)
-        if (d.name == name) text = d.text;
-      os << key << " = " << value_text(member) << "  [" << help_type<M>() << "]\n    " << text << "\n";
+        if (d.name == name && !d.text.empty()) os << "    " << d.text << "\n";
     }
   });
 }
@@ -527,9 +526,9 @@ void set(T& opts, const std::string& key, const std::string& value) {
   }
 }
 
-/// `--help` text: one entry per settable leaf option, `key = default  [type]` and its one-line
-/// description from `field_docs` (members without one say "(no description)"); keys a
-/// `field_doc` marks `hidden` are left out.
+/// `--help` text: one entry per settable leaf option, `key = default  [type]` and, indented on
+/// the next line, its description from `field_docs` (when it has one); keys a `field_doc` marks
+/// `hidden` are left out.
 /// ```cpp
 /// std::cout << unirl::options::help(my_options{});
 /// // lr = 0.001  [number]

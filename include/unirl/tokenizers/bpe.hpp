@@ -667,7 +667,8 @@ inline bpe_tokenizer bpe_tokenizer::from_gpt2_text(std::string_view vocab_json, 
   return from_json(root, "vocab.json + merges.txt");
 }
 
-inline bpe_tokenizer bpe_tokenizer::from_dir(const std::filesystem::path& dir) {
+// A function-try-block: every error of the files names the directory they were read from.
+inline bpe_tokenizer bpe_tokenizer::from_dir(const std::filesystem::path& dir) try {
   namespace fs = std::filesystem;
   UNIRL_CHECK(fs::is_directory(dir), "bpe_tokenizer::from_dir: '", dir.string(), "' is not a directory");
   nlohmann::json config = nlohmann::json::object();
@@ -734,6 +735,10 @@ inline bpe_tokenizer bpe_tokenizer::from_dir(const std::filesystem::path& dir) {
     t.chat_template_ = detail::read_file(dir / "chat_template.jinja");
   }
   return t;
+} catch (const std::exception& e) {
+  const std::string what = e.what();
+  if (what.find(dir.string()) != std::string::npos) throw;
+  throw ::unirl::error("unirl: the tokenizer of '" + dir.string() + "': " + what);
 }
 
 // ---------------------------------------------------------------------------------------------
