@@ -78,6 +78,12 @@ if(CASE STREQUAL "algorithms")
     run(a algorithm=${alg} steps=2 out=${WORK}/${alg} ${quick})
     expect("algorithm=${alg} did not run 2 steps:\n${a}" a MATCHES "^0\n" AND a MATCHES "2 steps \\(from step 0\\)")
   endforeach()
+  # dtype=bfloat16 loads and trains bf16 weights (the summary's recipe says so).
+  run(bf steps=1 out=${WORK}/bf16 dtype=bfloat16 ${quick})
+  expect("dtype=bfloat16 did not run:\n${bf}" bf MATCHES "^0\n" AND bf MATCHES "1 steps")
+  file(READ "${WORK}/bf16/summary.json" sj)
+  string(JSON wd GET "${sj}" weights_dtype)
+  expect("dtype=bfloat16 loaded ${wd} weights" wd STREQUAL "BFloat16")
   file(READ "${WORK}/dapo/metrics.jsonl" m)
   expect("algorithm=dapo: no dynamic sampling (no dynamic_sampling metric)" m MATCHES "dynamic_sampling/kept_groups")
   # The README's command line (no recipe file), on the fixture's model and data.
@@ -125,6 +131,14 @@ elseif(CASE STREQUAL "preflight")
   expect("an over-long SFT record was not named:\n${s}" NOT s MATCHES "^0\n" AND s MATCHES "supervised data"
          AND s MATCHES "sft.jsonl:2: the prompt and its answer are [0-9]+ tokens .[0-9]+ . [0-9]+ with eos.. the model.s context is 64")
   expect("the SFT stage started before pre-flight" NOT EXISTS "${WORK}/s/sft_metrics.jsonl")
+  # A damaged tokenizer file: the error names the model directory, not only the file's name.
+  file(READ "${RECIPE}" j)
+  string(JSON model GET "${j}" model)
+  file(COPY "${model}/" DESTINATION "${WORK}/damaged_model")
+  file(WRITE "${WORK}/damaged_model/tokenizer.json" "{\"model\": {\"type\": \"BPE\"")
+  run(t steps=1 out=${WORK}/t model=${WORK}/damaged_model ${quick})
+  expect("a damaged tokenizer.json: the error does not name its directory:\n${t}"
+         NOT t MATCHES "^0\n" AND t MATCHES "damaged_model" AND t MATCHES "tokenizer.json")
   # Every unknown key at once, from the recipe file and the command line.
   file(READ "${RECIPE}" j)
   string(JSON j SET "${j}" optim lrr 0.1)

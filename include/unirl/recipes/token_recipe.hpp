@@ -337,6 +337,7 @@ struct run_result {
   int interrupted_by = 0;                                 // the signal that stopped the run early (0: none)
   std::string checkpoint{};                               // the last checkpoint written ("" if none)
   std::string prompt_format{};                            // the format the prompts were given in
+  std::string weights_dtype{};                            // the dtype the weights were loaded in (dtype)
   std::string export_dir{};
 };
 
@@ -764,6 +765,7 @@ struct run_summary {
                      {"invocations", static_cast<std::int64_t>(prev("invocations", 0.0)) + 1},
                      {"interrupted", res.interrupted_by != 0},
                      {"prompt_format", res.prompt_format},
+                     {"weights_dtype", res.weights_dtype},
                      {"export_dir", res.export_dir},
                      {"recipe", options::to_json(r)}};
     return j;
@@ -815,6 +817,7 @@ run_result run_with(const token_recipe& r, const tokenizers::bpe_tokenizer& tok,
                      : r.dtype == model_dtype::float32 ? models::hf::weight_dtype::float32
                                                        : models::hf::weight_dtype::as_config;
   auto model = models::hf::from_pretrained(r.model, {.dtype = dtype, .device = r.device});
+  res.weights_dtype = c10::toString(model.dtype());
   if (r.lora.rank > 0) lora::apply(model, r.lora);
   const auto s = run_sampling(r, tok);
   const auto& eval = pf.eval;
