@@ -235,7 +235,7 @@ elseif(CASE STREQUAL "signal")
   string(JSON ss GET "${sj}" sft_steps)
   expect("summary.json: sft_steps ${ss}, expected 400 over both invocations" ss EQUAL 400)
   # 5. two signals: the second exits at once (long steps: it arrives mid-step).
-  execute_process(COMMAND ${SH} -c "${wait_rows}; ${cmd} out=${WORK}/twice steps=100000 prompts_per_step=32 group_size=16 sampling.max_new_tokens=40 > ${WORK}/twice.out 2>&1 & pid=$!; wait_rows ${WORK}/twice/metrics.jsonl 2; kill -INT $pid; sleep 0.2; kill -INT $pid; wait $pid; echo rc=$?"
+  execute_process(COMMAND ${SH} -c "${wait_rows}; ${cmd} out=${WORK}/twice steps=100000 prompts_per_step=64 group_size=64 sampling.max_new_tokens=50 > ${WORK}/twice.out 2>&1 & pid=$!; wait_rows ${WORK}/twice/metrics.jsonl 1; kill -INT $pid; sleep 0.3; kill -INT $pid; wait $pid; echo rc=$?"
                   OUTPUT_VARIABLE o TIMEOUT 200)
   file(READ "${WORK}/twice.out" tw)
   expect("a second SIGINT did not exit at once: ${o}\n${tw}" o MATCHES "rc=130" AND tw MATCHES "second signal: exiting now" AND NOT tw MATCHES "stopped by")

@@ -175,9 +175,6 @@ struct token_recipe {
   std::string export_dir{};
   bool progress = true;
 
-  /// Keys a recipe cannot set: the samplers read the top-level `sampling`.
-  static constexpr std::array<std::string_view, 2> fixed_keys{"grpo.sampling", "ppo.track.sampling"};
-
   void validate(const std::string& p) const {
     options::require(!model.empty(), p + "model", model, "a Hugging Face model directory");
     options::require(group_size >= 1, p + "group_size", group_size, ">= 1");
@@ -186,7 +183,8 @@ struct token_recipe {
     options::require(eval_records >= 0, p + "eval_records", eval_records, ">= 0");
     options::require(threads >= 0, p + "threads", threads, ">= 0");
     options::require(!out.empty(), p + "out", out, "a run directory");
-    // The samplers take the top-level `sampling`; a value under grpo / ppo would be ignored.
+    // The samplers take the top-level `sampling`; a value under grpo / ppo would be ignored
+    // (`field_docs<token_recipe>` hides these keys from --help).
     const auto unset = options::to_json(sampling_options{});
     if (options::to_json(grpo.sampling) != unset)
       throw config_error(p + "grpo.sampling", "is set, but a recipe's sampling options live at the top level: use "
