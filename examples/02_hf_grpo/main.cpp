@@ -222,13 +222,13 @@ int main(int argc, char** argv) try {
   const double acc_export = accuracy(exported);
   const double seconds = since(t_start);
   std::cout << "held-out accuracy: " << 100 * res.accuracy_before << "% -> " << 100 * res.accuracy_after << "% after "
-            << res.steps << " GRPO steps (" << std::setprecision(0) << res.seconds << " s RL, " << seconds
+            << res.steps << " GRPO steps (" << std::setprecision(0) << res.seconds_rl << " s RL, " << seconds
             << " s total); the export in " << res.export_dir << " scores " << std::setprecision(1) << 100 * acc_export
             << "%\n";
   nlohmann::json summary{{"accuracy_before", res.accuracy_before}, {"accuracy_after", res.accuracy_after},
                          {"accuracy_export", acc_export},          {"steps", res.steps},
                          {"sft_steps", sft_steps},                 {"sft_seconds", sft_seconds},
-                         {"rl_seconds", res.seconds},              {"seconds", seconds},
+                         {"rl_seconds", res.seconds_rl},              {"seconds", seconds},
                          {"tokenizer_vocab", tok.vocab_size()},    {"export_dir", res.export_dir},
                          {"options", unirl::options::to_json(o)}};
   std::ofstream(out / "summary.json") << summary.dump(2) << "\n";

@@ -11,12 +11,13 @@
 #include <unirl/train/plot.hpp>
 
 int main(int argc, char** argv) {
-  if (argc < 3 || std::string(argv[1]) == "--help" || std::string(argv[1]) == "-h") {
-    std::cerr << "usage: " << (argc > 0 ? argv[0] : "unirl_plot_metrics")
+  const bool help = argc >= 2 && (std::string(argv[1]) == "--help" || std::string(argv[1]) == "-h");
+  if (argc < 3 || help) {
+    (help ? std::cout : std::cerr) << "usage: " << (argc > 0 ? argv[0] : "unirl_plot_metrics")
               << " METRICS.jsonl OUT.png [KEY...]\n"
                  "  Plots each KEY (default: reward_mean kl) of a unirl metrics file against 'step',\n"
                  "  one panel per key.\n";
-    return argc < 3 ? 2 : 0;
+    return help ? 0 : 2;
   }
   std::vector<std::string> keys(argv + 3, argv + argc);
   if (keys.empty()) keys = {"reward_mean", "kl"};

@@ -113,6 +113,30 @@ BOOST_HANA_ADAPT_STRUCT(unirl::algo::grpo_options, clip_low, clip_high, dual_cli
                         advantage, unbiased_std, adv_eps, gamma, ent_coef, dppo_mask, dppo_delta, dynamic_sampling,
                         max_resample_rounds, overlong_buffer, overlong_factor, recompute_old_logp, reuse_on_policy_logp,
                         layout, sampling);
+template <>
+inline constexpr std::array unirl::options::field_docs<unirl::algo::grpo_options>{
+    unirl::options::field_doc{"clip_low", "ratio clipped below at 1 - clip_low"},
+    unirl::options::field_doc{"clip_high", "ratio clipped above at 1 + clip_high (DAPO: 0.28)"},
+    unirl::options::field_doc{"dual_clip", "0 = off; c > 1 caps the loss of A < 0 terms at -A c"},
+    unirl::options::field_doc{"kl_coef", "KL penalty to the reference model; 0 = no reference model"},
+    unirl::options::field_doc{"kl", "KL estimator"},
+    unirl::options::field_doc{"agg", "loss aggregation over tokens and sequences"},
+    unirl::options::field_doc{"max_len", "L_max of seq_mean_token_sum_norm; 0 = sampling.max_new_tokens"},
+    unirl::options::field_doc{"advantage", "advantage estimator"},
+    unirl::options::field_doc{"unbiased_std", "group std with Bessel's correction"},
+    unirl::options::field_doc{"adv_eps", "added to the group std before dividing"},
+    unirl::options::field_doc{"gamma", "REINFORCE++ token discount"},
+    unirl::options::field_doc{"ent_coef", "entropy bonus"},
+    unirl::options::field_doc{"dppo_mask", "DPPO token mask instead of the ratio clip"},
+    unirl::options::field_doc{"dppo_delta", "DPPO mask threshold"},
+    unirl::options::field_doc{"dynamic_sampling", "DAPO: resample groups whose rewards are all equal (filtered by the run's reward)"},
+    unirl::options::field_doc{"max_resample_rounds", "resampling rounds of dynamic sampling at most"},
+    unirl::options::field_doc{"overlong_buffer", "DAPO soft overlong penalty length L_c; 0 = off"},
+    unirl::options::field_doc{"overlong_factor", "scale of the overlong penalty"},
+    unirl::options::field_doc{"recompute_old_logp", "pi_old from the training forward (ratio exactly 1 on-policy)"},
+    unirl::options::field_doc{"reuse_on_policy_logp", "one update per step: pi_old is that update's own forward, detached"},
+    unirl::options::field_doc{"layout", "layout of the update forward: padded, packed or shared_prompt"},
+    unirl::options::field_doc{"sampling", "sampling options (set through the sampling.* keys in a recipe)"}};
 
 namespace unirl::algo {
 

@@ -112,6 +112,23 @@ struct accessors_impl<unirl::algo::ppo_no_track_options> {
 };
 }  // namespace boost::hana
 
+template <class T>
+inline constexpr std::array unirl::options::field_docs<unirl::algo::basic_ppo_options<T>>{
+    unirl::options::field_doc{"clip_low", "ratio clipped below at 1 - clip_low"},
+    unirl::options::field_doc{"clip_high", "ratio clipped above at 1 + clip_high"},
+    unirl::options::field_doc{"dual_clip", "0 = off; c > 1 caps the loss of A < 0 terms at -A c"},
+    unirl::options::field_doc{"value_clip", "value-loss clip range; <= 0 = unclipped"},
+    unirl::options::field_doc{"vf_coef", "weight of the value loss"},
+    unirl::options::field_doc{"ent_coef", "entropy bonus"},
+    unirl::options::field_doc{"kl_coef", "KL penalty to the reference model; 0 = no reference model"},
+    unirl::options::field_doc{"kl", "KL estimator"},
+    unirl::options::field_doc{"kl_in_reward", "true: -kl_coef * KL per token goes into the reward before GAE"},
+    unirl::options::field_doc{"gamma", "GAE discount"},
+    unirl::options::field_doc{"lambda", "GAE lambda"},
+    unirl::options::field_doc{"norm_adv", "whiten advantages over each minibatch"},
+    unirl::options::field_doc{"agg", "loss aggregation over tokens and sequences"},
+    unirl::options::field_doc{"max_len", "L_max of seq_mean_token_sum_norm; 0 = the track's (sampling.max_new_tokens)"}};
+
 namespace unirl::algo {
 
 /// What a track's `evaluate` hands to the shared PPO loss for one minibatch. Every tensor has

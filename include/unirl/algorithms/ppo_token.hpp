@@ -63,6 +63,10 @@ struct ppo_token_options {
 }  // namespace unirl::algo
 
 BOOST_HANA_ADAPT_STRUCT(unirl::algo::ppo_token_options, sampling, layout);
+template <>
+inline constexpr std::array unirl::options::field_docs<unirl::algo::ppo_token_options>{
+    unirl::options::field_doc{"sampling", "sampling options (set through the sampling.* keys in a recipe)"},
+    unirl::options::field_doc{"layout", "layout of the update forward: padded, packed or shared_prompt"}};
 
 namespace unirl::algo {
 

@@ -11,6 +11,8 @@
 /// auto flags = unirl::options::parse_command_line(opts, argc, argv, {{"out", "runs/x"}, {"help", "false"}});
 /// // prog --recipe r.yaml optim.lr=3e-4 --out runs/y   ->   flags["out"] == "runs/y"
 /// ```
+#include <cstdlib>
+#include <iostream>
 #include <map>
 #include <string>
 #include <vector>
@@ -30,7 +32,7 @@ std::vector<std::string> parse_command_line(T& opts, int argc, const char* const
     std::string a = argv[i];
     if (a == "--recipe" && i + 1 < argc) load_recipe(opts, argv[++i]);
     else if (a.starts_with("--recipe=")) load_recipe(opts, a.substr(9));
-    else if (a.starts_with("--")) {
+    else if (a.starts_with("--") || a == "-h") {
       rest.push_back(a);
       if (a.find('=') == std::string::npos && i + 1 < argc && std::string(argv[i + 1]).find('=') == std::string::npos &&
           !std::string(argv[i + 1]).starts_with("--"))
@@ -41,10 +43,26 @@ std::vector<std::string> parse_command_line(T& opts, int argc, const char* const
   return rest;
 }
 
+/// The usage text of a program whose command line `parse_command_line` reads: its flags with
+/// their defaults, then every option (`help`: key = default, type, description).
+template <class T>
+  requires is_reflectable<T>
+std::string usage(const std::string& program, const T& opts, const std::map<std::string, std::string>& flags) {
+  const auto slash = program.find_last_of('/');
+  std::string u = "usage: " + (slash == std::string::npos ? program : program.substr(slash + 1)) +
+                  " [--recipe FILE] [--flag VALUE ...] [key=value ...]\n\nflags:\n";
+  for (const auto& [name, def] : flags)
+    u += "  --" + name + (def == "false" ? std::string("  (a switch)") : " VALUE  (default: " + def + ")") + "\n";
+  return u + "  --recipe FILE  (a JSON or YAML file of options)\n\noptions (key=value; key = default  [type]):\n" +
+         help(opts);
+}
+
 /// Reads a program's command line: `--recipe FILE`, `key=value` overrides (then validated), and
 /// the program's own flags, declared with their defaults: `--name VALUE` or `--name=VALUE`; a
 /// flag whose default is "false" is a switch (`--name` alone sets it to "true"). Returns every
 /// declared flag's value. An undeclared flag, or one missing its value, is a `config_error`.
+/// `--help` or `-h`: a program that declares a "help" flag gets it set to "true" (nothing else
+/// is read); any other prints `usage` to stdout and exits with status 0.
 /// ```cpp
 /// auto flags = unirl::options::parse_command_line(opts, argc, argv, {{"out", "runs/x"}, {"help", "false"}});
 /// std::filesystem::create_directories(flags["out"]);
@@ -53,6 +71,16 @@ template <class T>
   requires is_reflectable<T>
 std::map<std::string, std::string> parse_command_line(T& opts, int argc, const char* const* argv,
                                                       std::map<std::string, std::string> flags) {
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a != "--help" && a != "-h") continue;
+    if (const auto it = flags.find("help"); it != flags.end()) {
+      it->second = "true";
+      return flags;
+    }
+    std::cout << usage(argc > 0 ? argv[0] : "program", opts, flags) << std::flush;
+    std::exit(0);
+  }
   const auto rest = parse_command_line(opts, argc, argv);
   auto known = [&] {
     std::string k;

@@ -63,6 +63,25 @@ std::string_view enum_to_string(E e) {
 
 namespace options {
 
+/// One line of `help` for a member of an options struct: `name` is the member (or, to hide a
+/// key of a nested struct that this struct fixes itself, a dotted path below it), `text` its
+/// one-line description; `hidden` keeps it (and everything under it) out of `help`.
+struct field_doc {
+  std::string_view name;
+  std::string_view text;
+  bool hidden = false;
+};
+
+/// The descriptions of the members of `T`, written once next to the struct (after its
+/// `BOOST_HANA_ADAPT_STRUCT`); `help` prints them. Specialise with an array of `field_doc`:
+/// ```cpp
+/// template <>
+/// inline constexpr std::array unirl::options::field_docs<my_options>{
+///     unirl::options::field_doc{"lr", "learning rate"}, unirl::options::field_doc{"steps", "optimizer steps"}};
+/// ```
+template <class T>
+inline constexpr std::array<field_doc, 0> field_docs{};
+
 /// True for types adapted with Boost.Hana (nested options structs). The concept spelled on it,
 /// `unirl::Reflectable` (also `unirl::options::Reflectable`), is in concepts/options.hpp: core/
 /// sits below concepts/ and names none.
@@ -373,6 +392,73 @@ void print_into(std::ostream& os, const T& v, const std::string& prefix) {
   });
 }
 
+// The one-word type of a leaf for `help`: "integer", "number", "true|false", "a|b|c", ...
+template <class T>
+std::string help_type() {
+  if constexpr (std::is_same_v<T, bool>) return "true|false";
+  else if constexpr (std::is_enum_v<T>) {
+    std::string s;
+    for (const auto n : enum_names<T>) {
+      if (!s.empty()) s.push_back('|');
+      s.append(n.begin(), n.end());
+    }
+    return s;
+  } else if constexpr (std::is_integral_v<T>) return "integer";
+  else if constexpr (std::is_floating_point_v<T>) return "number";
+  else if constexpr (std::is_same_v<T, std::string>) return "string";
+  else if constexpr (is_struct_list<T>::value) return "list of objects (JSON)";
+  else if constexpr (is_vector<T>::value) return "list of " + help_type<typename T::value_type>();
+  else return "object";
+}
+
+inline bool under(const std::string& key, const std::vector<std::string>& paths) {
+  for (const auto& p : paths)
+    if (key == p || (key.size() > p.size() && key.compare(0, p.size(), p) == 0 && key[p.size()] == '.')) return true;
+  return false;
+}
+
+template <class T>
+void help_into(std::ostream& os, const T& v, const std::string& prefix, std::vector<std::string>& hidden) {
+  for (const auto& d : field_docs<T>)
+    if (d.hidden) hidden.push_back(join(prefix, std::string(d.name).c_str()));
+  boost::hana::for_each(boost::hana::accessors<T>(), [&](auto pair) {
+    const char* name = boost::hana::to<const char*>(boost::hana::first(pair));
+    const std::string key = join(prefix, name);
+    if (under(key, hidden)) return;
+    const auto& member = boost::hana::second(pair)(v);
+    using M = std::remove_cvref_t<decltype(member)>;
+    if constexpr (is_reflectable<M>) {
+      help_into(os, member, key, hidden);
+    } else {
+      os << key << " = " << value_text(member) << "  [" << help_type<M>() << "]\n";
+      for (const auto& d : field_docs<T>)
+        if (d.name == name && !d.text.empty()) os << "    " << d.text << "\n";
+    }
+  });
+}
+
+// Every key of `j` that `T` does not have, each with its "; did you mean" suggestion.
+template <class T>
+void unknown_into(const nlohmann::json& j, const std::string& prefix, std::vector<std::string>& out) {
+  if (!j.is_object()) return;
+  for (auto it = j.begin(); it != j.end(); ++it) {
+    bool found = false;
+    boost::hana::for_each(boost::hana::accessors<T>(), [&](auto pair) {
+      const char* name = boost::hana::to<const char*>(boost::hana::first(pair));
+      if (found || it.key() != name) return;
+      found = true;
+      using M = std::remove_cvref_t<decltype(boost::hana::second(pair)(std::declval<T&>()))>;
+      if constexpr (is_reflectable<M>) unknown_into<M>(it.value(), join(prefix, name), out);
+    });
+    if (!found) {
+      std::vector<std::string> known;
+      collect_keys<T>(known, prefix);
+      const std::string key = join(prefix, it.key().c_str());
+      out.push_back(key + suggestion(key, known));
+    }
+  }
+}
+
 template <class T>
 bool set_path(T& obj, std::string_view path, const std::string& full_key, const std::string& value) {
   const auto dot = path.find('.');
@@ -438,6 +524,51 @@ void set(T& opts, const std::string& key, const std::string& value) {
     detail::collect_keys<T>(known, "");
     throw config_error(key, "unknown key" + detail::suggestion(key, known));
   }
+}
+
+/// `--help` text: one entry per settable leaf option, `key = default  [type]` and, indented on
+/// the next line, its description from `field_docs` (when it has one); keys a `field_doc` marks
+/// `hidden` are left out.
+/// ```cpp
+/// std::cout << unirl::options::help(my_options{});
+/// // lr = 0.001  [number]
+/// //     learning rate
+/// ```
+template <class T>
+  requires is_reflectable<T>
+std::string help(const T& defaults) {
+  std::ostringstream os;
+  std::vector<std::string> hidden;
+  detail::help_into(os, defaults, "", hidden);
+  return os.str();
+}
+
+/// Every key of a recipe object `j` that `T` lacks, dotted, each followed by its "; did you
+/// mean ...?" suggestion when one is near: all of them at once, for one error message.
+template <class T>
+  requires is_reflectable<T>
+std::vector<std::string> unknown_keys(const nlohmann::json& j) {
+  std::vector<std::string> out;
+  detail::unknown_into<T>(j, "", out);
+  return out;
+}
+
+/// True when `key` (dotted) names an option or a group of options of `T`.
+template <class T>
+  requires is_reflectable<T>
+bool has_key(const std::string& key) {
+  std::vector<std::string> known;
+  detail::collect_keys<T>(known, "");
+  return std::find(known.begin(), known.end(), key) != known.end();
+}
+
+/// The "; did you mean K?" text for an unknown `key` of `T` ("" when no key is near).
+template <class T>
+  requires is_reflectable<T>
+std::string key_suggestion(const std::string& key) {
+  std::vector<std::string> known;
+  detail::collect_keys<T>(known, "");
+  return detail::suggestion(key, known);
 }
 
 /// Runs every `validate(prefix)` member of the options tree; throws `config_error` on a bad value.

@@ -54,6 +54,14 @@ struct jsonl_options {
 }  // namespace unirl::data
 
 BOOST_HANA_ADAPT_STRUCT(unirl::data::jsonl_options, path, prompt_key, answer_key, shuffle, seed, max_records);
+template <>
+inline constexpr std::array unirl::options::field_docs<unirl::data::jsonl_options>{
+    unirl::options::field_doc{"path", "the JSONL file, one record per line"},
+    unirl::options::field_doc{"prompt_key", "field of the prompt (dotted for nested): a string, or a list of {\"role\", \"content\"} messages"},
+    unirl::options::field_doc{"answer_key", "field of the ground-truth answer (string or number); empty = no answers"},
+    unirl::options::field_doc{"shuffle", "a fresh permutation (seed, epoch) at every epoch"},
+    unirl::options::field_doc{"seed", "seed of the shuffling"},
+    unirl::options::field_doc{"max_records", "> 0: only the first N records of the file"}};
 
 namespace unirl::data {
 

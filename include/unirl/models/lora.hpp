@@ -82,6 +82,12 @@ struct options {
 }  // namespace unirl::lora
 
 BOOST_HANA_ADAPT_STRUCT(unirl::lora::options, rank, alpha, dropout, targets);
+template <>
+inline constexpr std::array unirl::options::field_docs<unirl::lora::options>{
+    unirl::options::field_doc{"rank", "LoRA rank r; 0 = no adapters (full fine-tuning)"},
+    unirl::options::field_doc{"alpha", "scaling alpha / rank (PEFT lora_alpha)"},
+    unirl::options::field_doc{"dropout", "dropout on the adapters' input while training"},
+    unirl::options::field_doc{"targets", "module names (or last components) to adapt; all-linear = every linear layer but the heads"}};
 
 namespace unirl::lora {
 

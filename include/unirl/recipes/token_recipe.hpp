@@ -38,6 +38,7 @@
 #include <unirl/algorithms/ppo.hpp>
 #include <unirl/algorithms/ppo_token.hpp>
 #include <unirl/core/options.hpp>
+#include <unirl/core/signals.hpp>
 #include <unirl/data/jsonl.hpp>
 #include <unirl/models/hf/pretrained.hpp>
 #include <unirl/models/lora.hpp>
@@ -60,6 +61,13 @@ enum class algorithm_name { grpo, dapo, dr_grpo, rloo, reinforce_pp, ppo };
 /// How prompts become text for the model.
 enum class prompt_format { automatic, chatml, llama3, plain, none };
 
+/// What pre-flight does with a record too long for the model's context: stop with an error
+/// naming it, leave it out (counted), or keep its last tokens (counted).
+enum class overlong_policy { error, drop, truncate };
+
+/// The dtype the model's weights are loaded in: the checkpoint's `torch_dtype`, or a given one.
+enum class model_dtype { automatic, float32, bfloat16 };
+
 }  // namespace unirl::recipes
 
 template <>
@@ -70,17 +78,23 @@ template <>
 inline constexpr std::array unirl::enum_names<unirl::recipes::prompt_format>{
     std::string_view{"auto"}, std::string_view{"chatml"}, std::string_view{"llama3"}, std::string_view{"plain"},
     std::string_view{"none"}};
+template <>
+inline constexpr std::array unirl::enum_names<unirl::recipes::overlong_policy>{
+    std::string_view{"error"}, std::string_view{"drop"}, std::string_view{"truncate"}};
+template <>
+inline constexpr std::array unirl::enum_names<unirl::recipes::model_dtype>{
+    std::string_view{"auto"}, std::string_view{"float32"}, std::string_view{"bfloat16"}};
 
 namespace unirl::recipes {
 
 /// The rule rewards by name, each with a weight (0 = off; negative = a penalty), and an optional
 /// remote reward service.
 struct reward_recipe {
-  double exact_answer = 1.0;              // weight of the exact-answer reward
-  rewards::exact_answer_options answer{};  // how the answer is extracted and compared
-  double format = 0.0;                    // weight of the format reward
+  double exact_answer = 1.0;
+  rewards::exact_answer_options answer{};
+  double format = 0.0;
   rewards::regex_format_options format_options{};
-  double remote = 0.0;                    // weight of the remote reward service (needs remote_options.url)
+  double remote = 0.0;
   rewards::remote_options remote_options{};
 
   void validate(const std::string& p) const {
@@ -93,9 +107,9 @@ struct reward_recipe {
 
 /// Checkpoints of a run directory.
 struct checkpoint_recipe {
-  std::int64_t every = 0;   // steps between checkpoints; 0 = only at the end
-  std::int64_t keep = 2;    // complete checkpoints kept (older ones deleted)
-  bool resume = true;       // continue from the latest complete checkpoint of `out` when there is one
+  std::int64_t every = 0;
+  std::int64_t keep = 2;
+  bool resume = true;
 
   void validate(const std::string& p) const {
     options::require(every >= 0, p + "every", every, ">= 0");
@@ -108,13 +122,13 @@ struct checkpoint_recipe {
 /// through `train::sft_trainer`; its checkpoints are `<out>/sft/checkpoints/` (a finished stage
 /// loads instead of training), its metrics `<out>/sft_metrics.jsonl`.
 struct sft_recipe {
-  std::int64_t steps = 0;                    // optimizer steps; 0: no supervised stage
-  std::string data{};                        // JSONL with prompt and answer (same keys as `data`); empty: `data`'s file
-  std::int64_t batch_size = 8;               // sequences per step
+  std::int64_t steps = 0;
+  std::string data{};
+  std::int64_t batch_size = 8;
   train::optimizer_options optim{.lr = 1e-5};
   train::schedule_options schedule{};
   train::clip_options clip{};
-  train::sft_layout layout = train::sft_layout::padded;  // padded, or packed (sequence packing)
+  train::sft_layout layout = train::sft_layout::padded;
 
   void validate(const std::string& p) const {
     options::require(steps >= 0, p + "steps", steps, ">= 0 (0: no supervised stage)");
@@ -123,40 +137,43 @@ struct sft_recipe {
 };
 
 /// A recipe (the file `unirl-train --recipe` reads; every key may be overridden as key=value).
+/// Each key's description is in `field_docs<token_recipe>` below (`unirl-train --help`).
 struct token_recipe {
-  std::string model{};                       // Hugging Face directory: config.json, *.safetensors, tokenizer
-  data::jsonl_options data{};                // training prompts
-  std::string eval_data{};                   // optional JSONL of held-out prompts (same keys): greedy accuracy
-  std::int64_t eval_records = 200;           // at most this many held-out records
-  prompt_format format = prompt_format::automatic;  // auto: ChatML when the tokenizer has <|im_start|>, else plain
-  std::string system_prompt{};               // a system message for chat formats (empty: none)
-  std::string prompt_suffix{};               // appended to a text prompt (e.g. "=" or " Answer:")
-  sft_recipe sft{};                          // supervised stage before RL (steps = 0: none)
+  std::string model{};
+  model_dtype dtype = model_dtype::float32;
+  data::jsonl_options data{};
+  std::string eval_data{};
+  std::int64_t eval_records = 200;
+  overlong_policy overlong = overlong_policy::error;
+  prompt_format format = prompt_format::automatic;
+  std::string system_prompt{};
+  std::string prompt_suffix{};
+  sft_recipe sft{};
   algorithm_name algorithm = algorithm_name::grpo;
-  algo::grpo_options grpo{};                 // the GRPO family's options (after the preset)
-  algo::ppo<>::for_track<token_track>::options ppo{};  // PPO's options (track.sampling: from `sampling`)
-  sampling_options sampling{.max_new_tokens = 32, .temperature = 1.0};  // stop: the tokenizer's eos
-  std::vector<std::string> stop{};           // extra stop tokens, as text of single tokens
+  algo::grpo_options grpo{};
+  algo::ppo<>::for_track<token_track>::options ppo{};
+  sampling_options sampling{.max_new_tokens = 32, .temperature = 1.0};
+  std::vector<std::string> stop{};
   reward_recipe reward{};
   train::optimizer_options optim{.lr = 1e-5};
   train::schedule_options schedule{};
   train::clip_options clip{};
-  train::memory_options memory{};            // activation checkpointing, reference placement, log-prob chunks
-  lora::options lora{};                      // LoRA adapters (rank > 0): only they train; export merged + adapter/
-  ::unirl::precision precision = ::unirl::precision::fp32;  // fp32, bf16, fp16 (autocast; float32 master weights)
-  train::loss_scale_options loss_scale{};    // dynamic loss scaling (fp16; loss_scale.mode=on for any precision)
+  train::memory_options memory{};
+  lora::options lora{};
+  ::unirl::precision precision = ::unirl::precision::fp32;
+  train::loss_scale_options loss_scale{};
   std::int64_t group_size = 8;
   std::int64_t prompts_per_step = 8;
   std::int64_t steps = 100;
   std::int64_t epochs = 1;
   std::int64_t minibatches = 1;
-  std::int64_t micro_batch_size = 0;         // gradient accumulation: samples per forward/backward; 0: whole minibatch
+  std::int64_t micro_batch_size = 0;
   std::int64_t seed = 0;
-  std::int64_t threads = 0;                  // LibTorch intra-op threads; 0 = LibTorch's default
+  std::int64_t threads = 0;
   std::string device = "cpu";
-  std::string out = "runs/unirl-train";      // metrics.jsonl, checkpoints/, summary.json, export/
+  std::string out = "runs/unirl-train";
   checkpoint_recipe checkpoint{};
-  std::string export_dir{};                  // empty: <out>/export; "none": no export
+  std::string export_dir{};
   bool progress = true;
 
   void validate(const std::string& p) const {
@@ -167,7 +184,8 @@ struct token_recipe {
     options::require(eval_records >= 0, p + "eval_records", eval_records, ">= 0");
     options::require(threads >= 0, p + "threads", threads, ">= 0");
     options::require(!out.empty(), p + "out", out, "a run directory");
-    // The samplers take the top-level `sampling`; a value under grpo / ppo would be ignored.
+    // The samplers take the top-level `sampling`; a value under grpo / ppo would be ignored
+    // (`field_docs<token_recipe>` hides these keys from --help).
     const auto unset = options::to_json(sampling_options{});
     if (options::to_json(grpo.sampling) != unset)
       throw config_error(p + "grpo.sampling", "is set, but a recipe's sampling options live at the top level: use "
@@ -184,10 +202,54 @@ BOOST_HANA_ADAPT_STRUCT(unirl::recipes::reward_recipe, exact_answer, answer, for
                         remote_options);
 BOOST_HANA_ADAPT_STRUCT(unirl::recipes::checkpoint_recipe, every, keep, resume);
 BOOST_HANA_ADAPT_STRUCT(unirl::recipes::sft_recipe, steps, data, batch_size, optim, schedule, clip, layout);
-BOOST_HANA_ADAPT_STRUCT(unirl::recipes::token_recipe, model, data, eval_data, eval_records, format, system_prompt,
-                        prompt_suffix, sft, algorithm, grpo, ppo, sampling, stop, reward, optim, schedule, clip, memory, lora,
+BOOST_HANA_ADAPT_STRUCT(unirl::recipes::token_recipe, model, dtype, data, eval_data, eval_records, overlong, format,
+                        system_prompt, prompt_suffix, sft, algorithm, grpo, ppo, sampling, stop, reward, optim, schedule, clip, memory, lora,
                         precision, loss_scale, group_size, prompts_per_step, steps, epochs, minibatches,
                         micro_batch_size, seed, threads, device, out, checkpoint, export_dir, progress);
+
+template <>
+inline constexpr std::array unirl::options::field_docs<unirl::recipes::reward_recipe>{
+    unirl::options::field_doc{"exact_answer", "weight of the exact-answer reward (0 = off; negative = a penalty)"},
+    unirl::options::field_doc{"format", "weight of the format (regex) reward"},
+    unirl::options::field_doc{"remote", "weight of the remote reward service (needs remote_options.url)"}};
+template <>
+inline constexpr std::array unirl::options::field_docs<unirl::recipes::checkpoint_recipe>{
+    unirl::options::field_doc{"every", "steps between checkpoints; 0 = only at the end (and on SIGINT / SIGTERM)"},
+    unirl::options::field_doc{"keep", "complete checkpoints kept (older ones are deleted)"},
+    unirl::options::field_doc{"resume", "continue from the latest complete checkpoint of `out` when there is one"}};
+template <>
+inline constexpr std::array unirl::options::field_docs<unirl::recipes::sft_recipe>{
+    unirl::options::field_doc{"steps", "optimizer steps of the supervised stage before RL; 0 = no supervised stage"},
+    unirl::options::field_doc{"data", "JSONL with prompt and answer (the keys of `data`); empty = `data.path`"},
+    unirl::options::field_doc{"batch_size", "sequences per supervised step"},
+    unirl::options::field_doc{"layout", "padded rows, or packed (sequence packing)"}};
+template <>
+inline constexpr std::array unirl::options::field_docs<unirl::recipes::token_recipe>{
+    unirl::options::field_doc{"model", "Hugging Face model directory: config.json, *.safetensors, tokenizer files"},
+    unirl::options::field_doc{"dtype", "weights' dtype on load: auto = the checkpoint's torch_dtype (float32 master weights need float32)"},
+    unirl::options::field_doc{"eval_data", "JSONL of held-out prompts (the keys of `data`): greedy accuracy before and after"},
+    unirl::options::field_doc{"eval_records", "at most this many held-out records (0 = all)"},
+    unirl::options::field_doc{"overlong", "a record whose prompt (+ sampling.max_new_tokens) exceeds the context: error, drop or truncate (keep its last tokens)"},
+    unirl::options::field_doc{"format", "prompt format; auto = the one the model's export recorded, else ChatML / Llama 3 by the tokenizer's tokens, else plain"},
+    unirl::options::field_doc{"system_prompt", "a system message for the chat formats (empty = none)"},
+    unirl::options::field_doc{"prompt_suffix", "text appended to each prompt (e.g. \"=\" or \" Answer:\")"},
+    unirl::options::field_doc{"algorithm", "the RL algorithm: a preset of the grpo.* options, or PPO with a critic"},
+    unirl::options::field_doc{"stop", "extra stop tokens, each the text of one token (the tokenizer's eos always stops)"},
+    unirl::options::field_doc{"precision", "autocast precision of forward / backward (float32 master weights)"},
+    unirl::options::field_doc{"group_size", "completions sampled per prompt"},
+    unirl::options::field_doc{"prompts_per_step", "prompts per RL step"},
+    unirl::options::field_doc{"steps", "RL steps (a resumed run continues to this count)"},
+    unirl::options::field_doc{"epochs", "update epochs over each step's rollouts"},
+    unirl::options::field_doc{"minibatches", "minibatches per update epoch"},
+    unirl::options::field_doc{"micro_batch_size", "gradient accumulation: samples per forward / backward; 0 = the whole minibatch"},
+    unirl::options::field_doc{"seed", "seed of LibTorch's generators"},
+    unirl::options::field_doc{"threads", "LibTorch intra-op threads; 0 = LibTorch's default"},
+    unirl::options::field_doc{"device", "cpu, cuda or cuda:N (checked before any work)"},
+    unirl::options::field_doc{"out", "run directory: metrics.jsonl, checkpoints/, summary.json, export/"},
+    unirl::options::field_doc{"export_dir", "where the trained model is written; empty = <out>/export; none = no export"},
+    unirl::options::field_doc{"progress", "a progress line on stderr"},
+    unirl::options::field_doc{"grpo.sampling", "", true},
+    unirl::options::field_doc{"ppo.track.sampling", "", true}};
 
 namespace unirl::recipes {
 
@@ -218,14 +280,30 @@ inline void apply_preset(token_recipe& r) {
 
 /// Fills `r` from a recipe file (JSON, or YAML when built with yaml-cpp; empty path: none) and
 /// `key=value` overrides: the algorithm is read first, its preset applied, then the recipe and the
-/// overrides (so explicit values win), then everything is validated.
-inline void load(token_recipe& r, const std::string& path, const std::vector<std::string>& overrides) {
+/// overrides (so explicit values win), then everything is validated. Every unknown key of the
+/// file and of the overrides is named in one `config_error`. `require_model = false` leaves an
+/// empty `model` unchecked (`unirl-train --print-recipe`).
+inline void load(token_recipe& r, const std::string& path, const std::vector<std::string>& overrides,
+                 bool require_model = true) {
   const auto file = path.empty() ? nlohmann::json::object() : options::read_recipe(path);
+  std::vector<std::string> unknown = options::unknown_keys<token_recipe>(file);
+  for (const auto& a : overrides) {
+    const auto eq = a.find('=');
+    if (eq == std::string::npos || eq == 0) throw config_error(a, "expected an override of the form key=value");
+    const auto key = a.substr(0, eq);
+    if (!options::has_key<token_recipe>(key)) unknown.push_back(key + options::key_suggestion<token_recipe>(key));
+  }
+  if (!unknown.empty()) {
+    std::string all;
+    for (const auto& k : unknown) all += (all.empty() ? "" : ", ") + k;
+    throw config_error(unknown.front().substr(0, unknown.front().find(';')),
+                       std::to_string(unknown.size()) + " unknown key" + (unknown.size() > 1 ? "s" : "") + ": " + all +
+                           " (unirl-train --help lists every key)");
+  }
   auto read = [&](token_recipe& into) {
     ::unirl::options::from_json(into, file);
     for (const auto& a : overrides) {
       const auto eq = a.find('=');
-      if (eq == std::string::npos || eq == 0) throw config_error(a, "expected an override of the form key=value");
       options::set(into, a.substr(0, eq), a.substr(eq + 1));
     }
   };
@@ -234,7 +312,13 @@ inline void load(token_recipe& r, const std::string& path, const std::vector<std
   r.algorithm = probe.algorithm;
   apply_preset(r);
   read(r);
-  options::validate(r);
+  if (!require_model && r.model.empty()) {
+    r.model = "-";
+    options::validate(r);
+    r.model.clear();
+  } else {
+    options::validate(r);
+  }
 }
 
 /// What a run reports.
@@ -242,12 +326,24 @@ struct run_result {
   double accuracy_before = -1.0, accuracy_after = -1.0;  // greedy held-out accuracy (-1: no eval_data)
   double accuracy_after_sft = -1.0;                       // ... after the supervised stage (-1: none)
   std::int64_t sft_steps = 0;                             // supervised steps done by this process
-  std::int64_t steps = 0;                                 // steps done by this process
+  std::int64_t sft_steps_total = 0;                       // supervised steps of the run directory
+  std::int64_t steps = 0;                                 // RL steps done by this process
+  std::int64_t steps_total = 0;                           // RL steps of the run directory (the trainer's step)
   std::int64_t first_step = 0;                            // 0, or the step a resumed run continued from
-  double reward_first = 0.0, reward_last = 0.0;           // mean reward of the first and last step run
-  double seconds = 0.0;
+  double reward_first = 0.0, reward_last = 0.0;           // mean reward of the run's first step, of the last one
+  double seconds = 0.0;                                   // this process, all of it
+  double seconds_sft = 0.0, seconds_rl = 0.0, seconds_eval = 0.0;  // ... its supervised, RL and evaluation parts
+  int interrupted_by = 0;                                 // the signal that stopped the run early (0: none)
+  std::string checkpoint{};                               // the last checkpoint written ("" if none)
+  std::string prompt_format{};                            // the format the prompts were given in
+  std::string weights_dtype{};                            // the dtype the weights were loaded in (dtype)
   std::string export_dir{};
 };
+
+/// The file an export records its prompt format in (beside config.json): `{"format": "chatml",
+/// "system_prompt": "", "prompt_suffix": ""}`. A run with `format = auto` on that directory
+/// uses it. (Hugging Face's own `chat_template` cannot say "no template" or a suffix.)
+inline constexpr std::string_view prompt_format_file = "unirl_prompt.json";
 
 namespace detail {
 
@@ -261,6 +357,16 @@ inline tokenizers::chat_format chat_format_of(prompt_format f, const tokenizers:
   if (tok.token_to_id("<|im_start|>")) return tokenizers::chat_format::chatml;
   if (tok.token_to_id("<|start_header_id|>")) return tokenizers::chat_format::llama3;
   return tokenizers::chat_format::plain;
+}
+
+// The concrete format `f` stands for with `tok` (auto resolved).
+inline prompt_format concrete_format(prompt_format f, const tokenizers::bpe_tokenizer& tok) {
+  if (f != prompt_format::automatic) return f;
+  switch (chat_format_of(f, tok)) {
+    case tokenizers::chat_format::chatml: return prompt_format::chatml;
+    case tokenizers::chat_format::llama3: return prompt_format::llama3;
+    default: return prompt_format::plain;
+  }
 }
 
 // The prompt text the model sees for one record.
@@ -299,13 +405,61 @@ inline reward_type make_reward(const reward_recipe& r) {
                      std::move(remote)};
 }
 
+// A prompt's token ids fitted to `limit` tokens under `policy`: as they are, their last `limit`
+// (truncate), or nothing (drop). Pre-flight has turned `error` into a message before any work.
+inline std::optional<std::vector<std::int64_t>> fit_prompt(std::vector<std::int64_t> ids, std::int64_t limit,
+                                                           overlong_policy policy) {
+  if (static_cast<std::int64_t>(ids.size()) <= limit) return ids;
+  if (policy != overlong_policy::truncate || limit < 1) return std::nullopt;
+  ids.erase(ids.begin(), ids.end() - limit);
+  return ids;
+}
+
+// The sampling options of the run: the recipe's, with the tokenizer's eos and `stop` tokens.
+inline sampling_options run_sampling(const token_recipe& r, const tokenizers::bpe_tokenizer& tok) {
+  auto s = r.sampling;
+  if (const auto eos = tok.eos_id()) s.stop_tokens.push_back(*eos);
+  for (const auto& t : r.stop) {
+    const auto id = tok.token_to_id(t);
+    if (!id) throw config_error("stop", "\"" + t + "\" is not a single token of the tokenizer of '" + r.model + "'");
+    s.stop_tokens.push_back(*id);
+  }
+  return s;
+}
+
 }  // namespace detail
 
+/// The recipe with its prompt format as the model directory recorded it (`prompt_format_file`,
+/// written by an export): when `r.format` is auto, the recorded format, and the recorded system
+/// prompt and suffix where the recipe leaves them empty. Returns whether a record was used.
+inline bool apply_recorded_format(token_recipe& r) {
+  const auto file = std::filesystem::path(r.model) / std::string(prompt_format_file);
+  if (r.format != prompt_format::automatic || !std::filesystem::is_regular_file(file)) return false;
+  nlohmann::json j;
+  try {
+    std::ifstream in(file);
+    j = nlohmann::json::parse(in);
+  } catch (const std::exception& e) {
+    throw error("recipe: " + file.string() + " is not valid JSON: " + e.what());
+  }
+  UNIRL_CHECK(j.is_object() && j.contains("format") && j["format"].is_string(), "recipe: ", file.string(),
+              ": expected an object with a string \"format\"");
+  r.format = options::parse_value<prompt_format>(file.string() + ": format", j["format"].get<std::string>());
+  auto take = [&](std::string& into, const char* key) {
+    if (into.empty() && j.contains(key) && j[key].is_string()) into = j[key].get<std::string>();
+  };
+  take(r.system_prompt, "system_prompt");
+  take(r.prompt_suffix, "prompt_suffix");
+  return true;
+}
+
 /// Greedy accuracy of `model` on `records` under the recipe's prompt format and answer reward
-/// (a sample is right when the exact-answer scorer gives it its `correct` value).
+/// (a sample is right when the exact-answer scorer gives it its `correct` value). A prompt longer
+/// than `max_prompt_tokens` (> 0) keeps its last tokens.
 template <CausalLM M>
 double greedy_accuracy(const M& model, const token_recipe& r, const tokenizers::bpe_tokenizer& tok,
-                       const std::vector<data::record>& records, std::int64_t batch = 64) {
+                       const std::vector<data::record>& records, std::int64_t batch = 64,
+                       std::int64_t max_prompt_tokens = 0) {
   if (records.empty()) return -1.0;
   torch::NoGradGuard ng;
   rewards::exact_answer judge{r.reward.answer};
@@ -321,7 +475,10 @@ double greedy_accuracy(const M& model, const token_recipe& r, const tokenizers::
     prompt_batch in{.decode = tok.decoder(), .pad_id = tok.pad_id()};
     for (std::size_t i = start; i < end; ++i) {
       const auto text = detail::prompt_text(r, tok, records[i]);
-      in.tokens.push_back(tok.encode(text));
+      auto ids = tok.encode(text);
+      if (max_prompt_tokens > 0 && static_cast<std::int64_t>(ids.size()) > max_prompt_tokens)
+        ids.erase(ids.begin(), ids.end() - max_prompt_tokens);
+      in.tokens.push_back(std::move(ids));
       in.texts.push_back(text);
       in.references.push_back(records[i].answer);
     }
@@ -330,6 +487,143 @@ double greedy_accuracy(const M& model, const token_recipe& r, const tokenizers::
     right += (scores == static_cast<float>(r.reward.answer.correct)).sum().template item<std::int64_t>();
   }
   return static_cast<double>(right) / static_cast<double>(records.size());
+}
+
+/// What pre-flight (`preflight`) found: the model's context, the prompt budget, the held-out
+/// records a run evaluates on (over-long ones dropped under `overlong = drop`), and one line per
+/// data file with its counts.
+struct preflight_report {
+  std::int64_t context = 0;       // the model's max_position_embeddings
+  std::int64_t prompt_limit = 0;  // context - sampling.max_new_tokens: longest RL / eval prompt
+  std::vector<data::record> eval{};
+  std::vector<std::string> lines{};
+};
+
+namespace detail {
+inline torch::Device checked_device(const std::string& d) {
+  const std::string cuda_note = torch::cuda::is_available()
+                                    ? "cpu, cuda, cuda:0 .. cuda:" + std::to_string(torch::cuda::device_count() - 1)
+                                    : "cpu (this LibTorch sees no CUDA device)";
+  torch::Device dev(torch::kCPU);
+  try {
+    dev = torch::Device(d);
+  } catch (const std::exception&) {
+    throw config_error("device", "\"" + d + "\" is not a device name: expected cpu, cuda or cuda:N; available: " + cuda_note);
+  }
+  if (dev.is_cuda()) {
+    if (!torch::cuda::is_available())
+      throw config_error("device", "\"" + d + "\": this LibTorch has no usable CUDA (built without it, or no GPU "
+                                   "visible); available: " + cuda_note);
+    if (dev.has_index() && dev.index() >= static_cast<int>(torch::cuda::device_count()))
+      throw config_error("device", "\"" + d + "\": no such GPU; available: " + cuda_note);
+  } else if (!dev.is_cpu()) {
+    throw config_error("device", "\"" + d + "\": unirl-train runs on cpu or cuda; available: " + cuda_note);
+  }
+  return dev;
+}
+
+// Creates `dir` and writes a file in it: an unwritable directory is found before any work.
+inline void check_writable(const std::filesystem::path& dir, const char* key) {
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  const auto probe = dir / ".unirl-write-check";
+  bool ok = !ec && std::filesystem::is_directory(dir);
+  if (ok) {
+    std::ofstream f(probe);
+    f << "ok\n";
+    ok = static_cast<bool>(f);
+  }
+  std::error_code ignored;
+  std::filesystem::remove(probe, ignored);
+  if (!ok)
+    throw config_error(key, "'" + dir.string() + "' cannot be created or written" + (ec ? ": " + ec.message() : std::string()));
+}
+}  // namespace detail
+
+/// Pre-flight of a run, before any weights are loaded or any training: the device exists, `out`
+/// and the export directory can be written, and every record of the training, held-out and
+/// supervised data reads and fits the model's context (prompt + `sampling.max_new_tokens`; for
+/// the supervised stage prompt + answer + eos). Over-long records are an error naming file:line,
+/// the length, the limit and the recipe key, unless `overlong` drops or truncates them (counted in
+/// the report). Every problem of one file is listed (the first 10), not only the first.
+inline preflight_report preflight(const token_recipe& r, const tokenizers::bpe_tokenizer& tok) {
+  preflight_report rep;
+  detail::checked_device(r.device);
+  detail::check_writable(std::filesystem::path(r.out) / "checkpoints", "out");
+  if (r.export_dir != "none")
+    detail::check_writable(r.export_dir.empty() ? std::filesystem::path(r.out) / "export" : std::filesystem::path(r.export_dir),
+                           "export_dir");
+  const auto cfg = models::hf::decoder_config::load(std::filesystem::path(r.model) / "config.json");
+  rep.context = cfg.max_position_embeddings;
+  rep.prompt_limit = rep.context - r.sampling.max_new_tokens;
+  if (rep.prompt_limit < 1)
+    throw config_error("sampling.max_new_tokens", "value " + std::to_string(r.sampling.max_new_tokens) +
+                                                      " leaves no room for a prompt in the model's context of " +
+                                                      std::to_string(rep.context) + " tokens (max_position_embeddings of " +
+                                                      r.model + "/config.json)");
+  detail::run_sampling(r, tok);  // the stop tokens exist
+
+  auto check = [&](const data::jsonl_options& o, const char* what, bool sft) {
+    const auto records = data::read_jsonl(o);
+    UNIRL_CHECK(!records.empty(), "recipe: ", what, " '", o.path, "' has no records");
+    std::vector<data::record> kept;
+    std::vector<std::string> errors;
+    std::int64_t dropped = 0, truncated = 0;
+    for (const auto& rec : records) {
+      const auto n = static_cast<std::int64_t>(tok.encode(detail::prompt_text(r, tok, rec)).size());
+      std::int64_t limit = rep.prompt_limit, answer = 0;
+      if (sft) {
+        UNIRL_CHECK(!rec.answer.empty(), "recipe: sft: ", o.path, ":", rec.line,
+                    " has no answer: the supervised stage needs one per record");
+        answer = static_cast<std::int64_t>(tok.encode(rec.answer).size()) + (tok.eos_id() ? 1 : 0);
+        limit = rep.context - answer;
+      }
+      if (n <= limit) {
+        kept.push_back(rec);
+        continue;
+      }
+      if (r.overlong == overlong_policy::truncate && limit >= 1) ++truncated, kept.push_back(rec);
+      else if (r.overlong != overlong_policy::error) ++dropped;
+      else if (errors.size() >= 10) errors.emplace_back();
+      else if (sft)
+        errors.push_back(o.path + ":" + std::to_string(rec.line) + ": the prompt and its answer are " +
+                         std::to_string(n + answer) + " tokens (" + std::to_string(n) + " + " + std::to_string(answer) +
+                         " with eos); the model's context is " + std::to_string(rep.context));
+      else
+        errors.push_back(o.path + ":" + std::to_string(rec.line) + ": the prompt is " + std::to_string(n) +
+                         " tokens; the limit is " + std::to_string(limit) + " (the model's context of " +
+                         std::to_string(rep.context) + " minus sampling.max_new_tokens = " +
+                         std::to_string(r.sampling.max_new_tokens) + ")");
+    }
+    if (!errors.empty()) {
+      std::string msg = std::to_string(errors.size()) + " record(s) of the " + what + " do not fit the context:";
+      for (const auto& e : errors)
+        if (!e.empty()) msg += "\n  " + e;
+      if (errors.size() > 10) msg += "\n  ...";
+      const char* fix = sft ? "\nshorten them, or set overlong=drop or overlong=truncate (the prompt keeps its last tokens)"
+                            : "\nshorten them, lower sampling.max_new_tokens, or set overlong=drop or overlong=truncate";
+      throw config_error(sft ? "overlong" : "sampling.max_new_tokens", msg + fix);
+    }
+    UNIRL_CHECK(!kept.empty(), "recipe: every record of the ", what, " '", o.path, "' is over-long (overlong = drop)");
+    std::string line = "pre-flight: " + std::string(what) + " " + o.path + ": " + std::to_string(records.size()) + " records";
+    if (dropped > 0) line += ", " + std::to_string(dropped) + " over-long dropped";
+    if (truncated > 0) line += ", " + std::to_string(truncated) + " over-long truncated to their last tokens";
+    rep.lines.push_back(line);
+    return kept;
+  };
+  check(r.data, "training data", false);
+  if (!r.eval_data.empty()) {
+    auto eo = r.data;
+    eo.path = r.eval_data;
+    eo.max_records = r.eval_records;
+    rep.eval = check(eo, "held-out data", false);
+  }
+  if (r.sft.steps > 0) {
+    auto so = r.data;
+    if (!r.sft.data.empty()) so.path = r.sft.data;
+    check(so, "supervised data", true);
+  }
+  return rep;
 }
 
 namespace detail {
@@ -347,13 +641,58 @@ typename Algorithm::options algorithm_options(const token_recipe& r, const sampl
   }
 }
 
-// The supervised stage of a recipe (`sft_recipe`) on `model`; returns the steps it ran.
-inline std::int64_t run_sft(const token_recipe& r, const tokenizers::bpe_tokenizer& tok, models::hf::causal_lm& model,
-                            const std::filesystem::path& out) {
+// Keeps the rows of a metrics file whose "step" is below `step` — the steps a resumed run keeps;
+// the rest (steps after the checkpoint, a line torn by kill -9) go. Returns the kept rows.
+inline std::vector<nlohmann::json> truncate_metrics(const std::filesystem::path& path, std::int64_t step) {
+  std::vector<nlohmann::json> kept;
+  if (!std::filesystem::exists(path)) return kept;
+  std::string text;
+  {
+    std::ifstream in(path);
+    std::string line;
+    while (std::getline(in, line)) {
+      if (line.empty()) continue;
+      nlohmann::json row;
+      try {
+        row = nlohmann::json::parse(line);
+      } catch (const std::exception&) {
+        break;  // torn by a kill: nothing after it was written whole
+      }
+      if (!row.is_object() || !row.contains("step") || !row["step"].is_number_integer() ||
+          row["step"].get<std::int64_t>() >= step)
+        continue;
+      text += line + "\n";
+      kept.push_back(std::move(row));
+    }
+  }
+  const auto tmp = path.string() + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::trunc);
+    out << text;
+    UNIRL_CHECK(static_cast<bool>(out), "recipe: cannot rewrite ", path.string());
+  }
+  std::filesystem::rename(tmp, path);
+  return kept;
+}
+
+// Thrown by the supervised stage's batch source when a stop was requested: the step before it
+// finished, its checkpoint is written by the caller.
+struct sft_stopped {};
+
+// The supervised stage of a recipe (`sft_recipe`) on `model`; returns (steps run, total steps).
+inline std::pair<std::int64_t, std::int64_t> run_sft(const token_recipe& r, const tokenizers::bpe_tokenizer& tok,
+                                                     models::hf::causal_lm& model, const std::filesystem::path& out,
+                                                     std::int64_t context, const stop_request* stop) {
   auto dopts = r.data;
   if (!r.sft.data.empty()) dopts.path = r.sft.data;
   data::jsonl_dataset records(dopts);
   const auto eos = tok.eos_id();
+  const auto sft_dir = out / "sft";
+  // A resumed stage appends to its metrics: the rows after its checkpoint go first.
+  if (r.checkpoint.resume) {
+    const train::run_directory d(sft_dir, {.keep = r.checkpoint.keep});
+    if (const auto last = d.latest()) truncate_metrics(out / "sft_metrics.jsonl", last->step);
+  }
   train::sft_trainer<models::hf::causal_lm> stage(
       model, {.objective = {.layout = r.sft.layout},
               .optim = r.sft.optim,
@@ -365,53 +704,122 @@ inline std::int64_t run_sft(const token_recipe& r, const tokenizers::bpe_tokeniz
               .device = r.device,
               .metrics_path = (out / "sft_metrics.jsonl").string(),
               .progress = r.progress,
-              .out = (out / "sft").string(),
+              .out = sft_dir.string(),
               .checkpoint_every = r.checkpoint.every,
               .keep = r.checkpoint.keep,
               .resume = r.checkpoint.resume});
-  const auto res = stage.run(
-      [&](std::int64_t n) {
-        std::vector<std::vector<std::int64_t>> prompts, answers;
-        for (const auto& rec : records.next(n)) {
-          UNIRL_CHECK(!rec.answer.empty(), "recipe: sft: line ", rec.line, " of '", dopts.path,
-                      "' has no answer: the supervised stage needs one per record");
-          prompts.push_back(tok.encode(prompt_text(r, tok, rec)));
-          answers.push_back(tok.encode(rec.answer));
-          if (eos) answers.back().push_back(*eos);
-        }
-        return train::make_sft_batch(prompts, answers, tok.pad_id());
-      },
-      nullptr, records);
-  if (res.resumed) std::cout << "sft: resumed at step " << res.first_step << "\n";
-  return res.steps;
+  const auto next = [&](std::int64_t n) {
+    if (stop && stop->requested()) throw sft_stopped{};
+    std::vector<std::vector<std::int64_t>> prompts, answers;
+    while (static_cast<std::int64_t>(prompts.size()) < n) {
+      for (const auto& rec : records.next(1)) {
+        auto answer = tok.encode(rec.answer);
+        if (eos) answer.push_back(*eos);
+        auto prompt = fit_prompt(tok.encode(prompt_text(r, tok, rec)), context - static_cast<std::int64_t>(answer.size()),
+                                 r.overlong);
+        if (!prompt) continue;  // over-long, dropped (pre-flight counted it)
+        prompts.push_back(std::move(*prompt));
+        answers.push_back(std::move(answer));
+      }
+    }
+    return train::make_sft_batch(prompts, answers, tok.pad_id());
+  };
+  try {
+    const auto res = stage.run(next, nullptr, records);
+    if (res.resumed) std::cout << "sft: resumed at step " << res.first_step << "\n";
+    return {res.steps, stage.step_count()};
+  } catch (const sft_stopped&) {
+    const train::run_directory d(sft_dir, {.keep = r.checkpoint.keep});
+    const bool saved = d.latest() && d.latest()->step == stage.step_count();
+    if (!saved && stage.step_count() > 0)
+      d.save(stage.step_count(), [&](const std::string& p) { stage.save(p, records); });
+    return {-1, stage.step_count()};
+  }
 }
 
+// summary.json of a run directory: cumulative over the invocations that resumed it.
+struct run_summary {
+  nlohmann::json previous = nlohmann::json::object();  // what an earlier invocation wrote ({} if none)
+
+  double prev(const char* key, double fallback) const {
+    return previous.contains(key) && previous[key].is_number() ? previous[key].get<double>() : fallback;
+  }
+  nlohmann::json make(const token_recipe& r, const run_result& res) const {
+    const double before = res.accuracy_before >= 0 ? res.accuracy_before : prev("accuracy_before", -1.0);
+    const double after_sft = res.accuracy_after_sft >= 0 ? res.accuracy_after_sft : prev("accuracy_after_sft", -1.0);
+    nlohmann::json j{{"accuracy_before", before},
+                     {"accuracy_after_sft", after_sft},
+                     {"accuracy_after", res.accuracy_after},
+                     {"sft_steps", res.sft_steps_total},
+                     {"steps", res.steps_total},
+                     {"sft_steps_run", res.sft_steps},
+                     {"steps_run", res.steps},
+                     {"first_step", res.first_step},
+                     {"reward_first", res.reward_first},
+                     {"reward_last", res.reward_last},
+                     {"seconds", prev("seconds", 0.0) + res.seconds},
+                     {"seconds_sft", prev("seconds_sft", 0.0) + res.seconds_sft},
+                     {"seconds_rl", prev("seconds_rl", 0.0) + res.seconds_rl},
+                     {"seconds_eval", prev("seconds_eval", 0.0) + res.seconds_eval},
+                     {"invocations", static_cast<std::int64_t>(prev("invocations", 0.0)) + 1},
+                     {"interrupted", res.interrupted_by != 0},
+                     {"prompt_format", res.prompt_format},
+                     {"weights_dtype", res.weights_dtype},
+                     {"export_dir", res.export_dir},
+                     {"recipe", options::to_json(r)}};
+    return j;
+  }
+  void write(const std::filesystem::path& out, const token_recipe& r, const run_result& res,
+             const std::string& export_error = {}) const {
+    auto j = make(r, res);
+    if (!export_error.empty()) j["export_error"] = export_error;
+    const auto tmp = (out / "summary.json.tmp").string();
+    {
+      std::ofstream f(tmp, std::ios::trunc);
+      f << j.dump(2) << "\n";
+    }
+    std::filesystem::rename(tmp, out / "summary.json");
+  }
+};
+
 template <class Algorithm>
-run_result run_with(const token_recipe& r) {
+run_result run_with(const token_recipe& r, const tokenizers::bpe_tokenizer& tok, const preflight_report& pf,
+                    const stop_request* stop) {
   using clock = std::chrono::steady_clock;
   const auto t0 = clock::now();
+  auto since = [](clock::time_point a) { return std::chrono::duration<double>(clock::now() - a).count(); };
   const std::filesystem::path out(r.out);
   std::filesystem::create_directories(out / "checkpoints");
   if (r.threads > 0) torch::set_num_threads(static_cast<int>(r.threads));
   torch::manual_seed(static_cast<std::uint64_t>(r.seed));
+  auto stopped = [&] { return stop != nullptr && stop->requested(); };
 
-  auto tok = tokenizers::bpe_tokenizer::from_dir(r.model);
-  auto model = models::hf::from_pretrained(r.model, {.dtype = models::hf::weight_dtype::float32, .device = r.device});
+  run_result res;
+  res.prompt_format = std::string(enum_to_string(concrete_format(r.format, tok)));
+  const train::run_directory run_dir(out, {.keep = r.checkpoint.keep});
+  const train::run_directory sft_dir(out / "sft", {.keep = r.checkpoint.keep});
+  if (r.checkpoint.resume) run_dir.remove_temporaries();
+  const auto last = r.checkpoint.resume ? run_dir.latest() : std::nullopt;
+  // An invocation that resumes adds to the summary of the ones before; a fresh one starts it.
+  run_summary summary;
+  if (r.checkpoint.resume && (last || sft_dir.latest()) && std::filesystem::exists(out / "summary.json")) {
+    try {
+      std::ifstream in(out / "summary.json");
+      summary.previous = nlohmann::json::parse(in);
+    } catch (const std::exception&) {
+      summary.previous = nlohmann::json::object();  // damaged by a kill: counted afresh
+    }
+    if (!summary.previous.is_object()) summary.previous = nlohmann::json::object();
+  }
+
+  const auto dtype = r.dtype == model_dtype::bfloat16 ? models::hf::weight_dtype::bfloat16
+                     : r.dtype == model_dtype::float32 ? models::hf::weight_dtype::float32
+                                                       : models::hf::weight_dtype::as_config;
+  auto model = models::hf::from_pretrained(r.model, {.dtype = dtype, .device = r.device});
+  res.weights_dtype = c10::toString(model.dtype());
   if (r.lora.rank > 0) lora::apply(model, r.lora);
-  auto s = r.sampling;
-  if (const auto eos = tok.eos_id()) s.stop_tokens.push_back(*eos);
-  for (const auto& t : r.stop) {
-    const auto id = tok.token_to_id(t);
-    UNIRL_CHECK(id.has_value(), "recipe: stop = \"", t, "\" is not a single token of the tokenizer");
-    s.stop_tokens.push_back(*id);
-  }
-  std::vector<data::record> eval;
-  if (!r.eval_data.empty()) {
-    auto eo = r.data;
-    eo.path = r.eval_data;
-    eo.max_records = r.eval_records;
-    eval = data::read_jsonl(eo);
-  }
+  const auto s = run_sampling(r, tok);
+  const auto& eval = pf.eval;
   data::jsonl_dataset train_data(r.data);
 
   using trainer_t = trainer<models::hf::causal_lm, Algorithm, reward_type>;
@@ -433,73 +841,135 @@ run_result run_with(const token_recipe& r) {
   topts.samples_path = (out / "samples.jsonl").string();
   topts.progress = r.progress;
   topts.total_steps = r.steps;
-  run_result res;
+  auto evaluate = [&](const auto& m) {
+    const auto te = clock::now();
+    const double a = greedy_accuracy(m, r, tok, eval, 64, pf.prompt_limit);
+    res.seconds_eval += since(te);
+    return a;
+  };
+  auto finish = [&] {
+    res.seconds = since(t0);
+    summary.write(out, r, res);
+    train::write_report(out);
+    return res;
+  };
   model.train(false);
-  res.accuracy_before = greedy_accuracy(model, r, tok, eval);
+  // The base model's accuracy is measured once per run directory.
+  res.accuracy_before = summary.prev("accuracy_before", -1.0);
+  if (res.accuracy_before < 0) res.accuracy_before = evaluate(model);
   if (r.sft.steps > 0) {
-    res.sft_steps = run_sft(r, tok, model, out);
+    const auto ts = clock::now();
+    const auto [ran, total] = run_sft(r, tok, model, out, pf.context, stop);
+    res.seconds_sft = since(ts);
+    res.sft_steps = ran < 0 ? 0 : ran;
+    res.sft_steps_total = total;
+    if (ran < 0) {
+      res.interrupted_by = stop->signal();
+      res.checkpoint = sft_dir.latest() ? sft_dir.latest()->path.string() : "";
+      return finish();
+    }
     model.train(false);
-    res.accuracy_after_sft = greedy_accuracy(model, r, tok, eval);
+    res.accuracy_after_sft = ran > 0 ? -1.0 : summary.prev("accuracy_after_sft", -1.0);
+    if (res.accuracy_after_sft < 0) res.accuracy_after_sft = evaluate(model);
   }
   trainer_t t{std::move(model), make_reward(r.reward), topts};
+  if constexpr (requires { t.algorithm().set_filter_reward(std::ref(t.reward())); }) {
+    // DAPO's dynamic sampling filters candidate groups by the run's own reward.
+    if (r.grpo.dynamic_sampling) t.algorithm().set_filter_reward(std::ref(t.reward()));
+  }
 
   // <out>/checkpoints/step-<n>.pt: the latest complete one resumes (a damaged newer one is skipped
-  // with a warning), the newest `keep` are kept.
-  const train::run_directory run_dir(out, {.keep = r.checkpoint.keep});
-  if (r.checkpoint.resume) {
-    run_dir.remove_temporaries();
-    if (const auto last = run_dir.latest()) {
-      t.load(last->path.string(), train_data);
-      res.first_step = t.step_count();
-      std::cout << "resumed from " << last->path.filename().string() << " at step " << res.first_step << "\n";
-    }
+  // with a warning), the newest `keep` are kept; metrics.jsonl keeps the rows up to it.
+  if (last) {
+    t.load(last->path.string(), train_data);
+    res.first_step = t.step_count();
+    const auto rows = truncate_metrics(out / "metrics.jsonl", res.first_step);
+    truncate_metrics(out / "samples.jsonl", res.first_step);
+    if (!rows.empty() && rows.front().contains("reward_mean") && rows.front()["reward_mean"].is_number())
+      res.reward_first = rows.front()["reward_mean"].get<double>();
+    std::cout << "resumed from " << last->path.filename().string() << " at step " << res.first_step << "\n";
   }
-  auto save = [&] { run_dir.save(t.step_count(), [&](const std::string& path) { t.save(path, train_data); }); };
-  for (std::int64_t step = t.step_count(); step < r.steps; ++step) {
+  res.steps_total = t.step_count();
+  std::int64_t saved_at = last ? t.step_count() : -1;
+  auto save = [&] {
+    run_dir.save(t.step_count(), [&](const std::string& path) { t.save(path, train_data); });
+    saved_at = t.step_count();
+    res.checkpoint = run_dir.path_for(saved_at).string();
+    res.seconds = since(t0);
+    summary.write(out, r, res);
+  };
+  const auto tr = clock::now();
+  for (std::int64_t step = t.step_count(); step < r.steps && !stopped(); ++step) {
     prompt_batch in{.decode = tok.decoder(), .pad_id = tok.pad_id()};
-    for (const auto& rec : train_data.next(r.prompts_per_step)) {
-      const auto text = prompt_text(r, tok, rec);
-      in.tokens.push_back(tok.encode(text));
-      in.texts.push_back(text);
-      in.references.push_back(rec.answer);
+    while (static_cast<std::int64_t>(in.tokens.size()) < r.prompts_per_step) {
+      for (const auto& rec : train_data.next(1)) {
+        const auto text = prompt_text(r, tok, rec);
+        auto ids = fit_prompt(tok.encode(text), pf.prompt_limit, r.overlong);
+        if (!ids) continue;  // over-long, dropped (pre-flight counted it)
+        in.tokens.push_back(std::move(*ids));
+        in.texts.push_back(text);
+        in.references.push_back(rec.answer);
+      }
     }
     const auto st = t.step(in);
-    if (res.steps == 0) res.reward_first = st.reward_mean;
+    if (res.steps == 0 && !last) res.reward_first = st.reward_mean;
     res.reward_last = st.reward_mean;
     ++res.steps;
+    res.steps_total = t.step_count();
     if (r.checkpoint.every > 0 && t.step_count() % r.checkpoint.every == 0) save();
   }
-  if (r.progress) std::cerr << "\n";
-  if (res.steps > 0 && (r.checkpoint.every == 0 || t.step_count() % r.checkpoint.every != 0)) save();
+  if (r.progress && res.steps > 0) std::cerr << "\n";
+  if (res.steps > 0 && saved_at != t.step_count()) save();
+  res.seconds_rl = since(tr);
+  if (stopped()) {
+    res.interrupted_by = stop->signal();
+    return finish();
+  }
   auto& policy = t.models().policy;
   policy.train(false);
-  res.accuracy_after = greedy_accuracy(policy, r, tok, eval);
+  res.accuracy_after = evaluate(policy);
   if (r.export_dir != "none") {
     res.export_dir = r.export_dir.empty() ? (out / "export").string() : r.export_dir;
-    models::hf::save_pretrained(policy, res.export_dir, {.copy_tokenizer_from = r.model});  // LoRA: merged
-    if (r.lora.rank > 0)  // the adapter alone, in PEFT's layout
-      lora::save_adapter(policy, std::filesystem::path(res.export_dir) / "adapter", {.base_model_name_or_path = r.model});
+    try {
+      models::hf::save_pretrained(policy, res.export_dir, {.copy_tokenizer_from = r.model});  // LoRA: merged
+      if (r.lora.rank > 0)  // the adapter alone, in PEFT's layout
+        lora::save_adapter(policy, std::filesystem::path(res.export_dir) / "adapter",
+                           {.base_model_name_or_path = r.model});
+      std::ofstream f(std::filesystem::path(res.export_dir) / std::string(prompt_format_file));
+      f << nlohmann::json{{"format", res.prompt_format}, {"system_prompt", r.system_prompt},
+                          {"prompt_suffix", r.prompt_suffix}}
+               .dump(2)
+        << "\n";
+      UNIRL_CHECK(static_cast<bool>(f), "recipe: cannot write ", res.export_dir, "/", prompt_format_file);
+    } catch (const std::exception& e) {
+      res.seconds = since(t0);
+      summary.write(out, r, res, e.what());  // the training's record survives a failed export
+      train::write_report(out);
+      throw;
+    }
   }
-  res.seconds = std::chrono::duration<double>(clock::now() - t0).count();
-  nlohmann::json summary{{"accuracy_before", res.accuracy_before}, {"accuracy_after", res.accuracy_after},
-                         {"sft_steps", res.sft_steps},             {"accuracy_after_sft", res.accuracy_after_sft},
-                         {"steps", res.steps},                     {"first_step", res.first_step},
-                         {"reward_first", res.reward_first},       {"reward_last", res.reward_last},
-                         {"seconds", res.seconds},                 {"export_dir", res.export_dir},
-                         {"recipe", options::to_json(r)}};
-  std::ofstream(out / "summary.json") << summary.dump(2) << "\n";
-  train::write_report(out);
-  return res;
+  return finish();
 }
 
 }  // namespace detail
 
-/// Runs a recipe end to end (see the file comment); writes metrics.jsonl, samples.jsonl,
-/// checkpoints/, summary.json, report.html and the export under `r.out`.
-inline run_result run(const token_recipe& r) {
-  options::validate(r);
-  if (r.algorithm == algorithm_name::ppo) return detail::run_with<algo::ppo<>::for_track<token_track>>(r);
-  return detail::run_with<algo::grpo<>>(r);
+/// Runs a recipe end to end (see the file comment): pre-flight (`preflight`: device, writable
+/// directories, every data record against the context), then the supervised stage, RL and the
+/// export; writes metrics.jsonl, samples.jsonl, checkpoints/, summary.json, report.html and the
+/// export under `r.out`. With `stop` (e.g. set by `signal_stop_scope` on SIGINT / SIGTERM) the run ends after the step in
+/// flight with a checkpoint, `interrupted_by` set, and no evaluation or export.
+inline run_result run(const token_recipe& recipe, const stop_request* stop = nullptr) {
+  options::validate(recipe);
+  auto r = recipe;
+  const bool recorded = apply_recorded_format(r);
+  auto tok = tokenizers::bpe_tokenizer::from_dir(r.model);
+  const auto pf = preflight(r, tok);
+  if (recorded)
+    std::cout << "prompt format: " << enum_to_string(detail::concrete_format(r.format, tok)) << " (recorded in "
+              << (std::filesystem::path(r.model) / std::string(prompt_format_file)).string() << ")\n";
+  for (const auto& line : pf.lines) std::cout << line << "\n";
+  if (r.algorithm == algorithm_name::ppo) return detail::run_with<algo::ppo<>::for_track<token_track>>(r, tok, pf, stop);
+  return detail::run_with<algo::grpo<>>(r, tok, pf, stop);
 }
 
 }  // namespace unirl::recipes

@@ -601,6 +601,19 @@ struct remote_options {
 }  // namespace unirl::rewards
 BOOST_HANA_ADAPT_STRUCT(unirl::rewards::remote_options, url, timeout_s, retries, backoff_s, backoff_multiplier,
                         backoff_max_s, max_concurrency, chunk_size, tensors, deadline_s, follow_redirects);
+template <>
+inline constexpr std::array unirl::options::field_docs<unirl::rewards::remote_options>{
+    unirl::options::field_doc{"url", "the reward service: http://host[:port][/path]"},
+    unirl::options::field_doc{"timeout_s", "seconds per attempt (connect, send, response)"},
+    unirl::options::field_doc{"retries", "further attempts after the first fails"},
+    unirl::options::field_doc{"backoff_s", "wait before the first retry, seconds"},
+    unirl::options::field_doc{"backoff_multiplier", "each further wait is this much longer"},
+    unirl::options::field_doc{"backoff_max_s", "longest wait between retries, seconds"},
+    unirl::options::field_doc{"max_concurrency", "requests in flight at once"},
+    unirl::options::field_doc{"chunk_size", "> 0: split a batch into requests of at most this many samples"},
+    unirl::options::field_doc{"tensors", "how tensors travel: numbers, or base64 raw bytes"},
+    unirl::options::field_doc{"deadline_s", "seconds for one request with all its retries"},
+    unirl::options::field_doc{"follow_redirects", "re-send the POST to a redirect's Location (at most 5 hops)"}};
 namespace unirl::rewards {
 
 /// The parts of an http:// URL.

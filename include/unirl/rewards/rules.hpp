@@ -122,6 +122,15 @@ struct exact_answer_options {
 }  // namespace unirl::rewards
 BOOST_HANA_ADAPT_STRUCT(unirl::rewards::exact_answer_options, extract, trim, case_sensitive, numeric, tolerance,
                         correct, wrong);
+template <>
+inline constexpr std::array unirl::options::field_docs<unirl::rewards::exact_answer_options>{
+    unirl::options::field_doc{"extract", "RE2 regex; the answer is its group 1 (or whole match) at the last match; empty = the whole completion"},
+    unirl::options::field_doc{"trim", "ignore surrounding whitespace"},
+    unirl::options::field_doc{"case_sensitive", "compare case-sensitively"},
+    unirl::options::field_doc{"numeric", "compare as numbers within tolerance (a non-number is wrong)"},
+    unirl::options::field_doc{"tolerance", "numeric tolerance"},
+    unirl::options::field_doc{"correct", "reward of a right answer"},
+    unirl::options::field_doc{"wrong", "reward of a wrong answer"}};
 namespace unirl::rewards {
 
 /// `correct` when the completion's answer equals the sample's reference, else `wrong`.
@@ -203,6 +212,12 @@ struct regex_format_options {
 };
 }  // namespace unirl::rewards
 BOOST_HANA_ADAPT_STRUCT(unirl::rewards::regex_format_options, pattern, full_match, matched, unmatched);
+template <>
+inline constexpr std::array unirl::options::field_docs<unirl::rewards::regex_format_options>{
+    unirl::options::field_doc{"pattern", "RE2 regular expression the completion must match"},
+    unirl::options::field_doc{"full_match", "the whole completion must match (else a match anywhere)"},
+    unirl::options::field_doc{"matched", "reward of a matching completion"},
+    unirl::options::field_doc{"unmatched", "reward of any other"}};
 namespace unirl::rewards {
 
 /// `matched` when the completion has the required format, else `unmatched`.

@@ -431,14 +431,18 @@ class engine {
                          : logits.index_select(0, torch::tensor(src, torch::kInt64).to(dev));
     const auto lp_dtype = raw.scalar_type() == torch::kDouble ? torch::kDouble : torch::kFloat;
     std::vector<double> temps(static_cast<std::size_t>(K));
-    for (std::int64_t i = 0; i < K; ++i) temps[static_cast<std::size_t>(i)] = spec(*rows[static_cast<std::size_t>(i)]).temperature;
+    // temperature = 0 is greedy: top_k = 1 at temperature 1, as in `sample_tokens` (sampling_options).
+    for (std::int64_t i = 0; i < K; ++i) {
+      const double t = spec(*rows[static_cast<std::size_t>(i)]).temperature;
+      temps[static_cast<std::size_t>(i)] = t > 0.0 ? t : 1.0;
+    }
     const auto scaled = raw.to(lp_dtype) / torch::tensor(temps, torch::kDouble).to(dev, lp_dtype).unsqueeze(1);
     const auto lsm = torch::log_softmax(scaled, -1);
     // top-k / top-p per distinct setting
     std::map<std::pair<std::int64_t, double>, std::vector<std::int64_t>> groups;
     for (std::int64_t i = 0; i < K; ++i) {
       const auto& sp = spec(*rows[static_cast<std::size_t>(i)]);
-      groups[{sp.top_k, sp.top_p}].push_back(i);
+      groups[{sp.temperature > 0.0 ? sp.top_k : 1, sp.top_p}].push_back(i);
     }
     torch::Tensor filtered;
     if (groups.size() == 1) filtered = filter_logits(scaled, groups.begin()->first.first, groups.begin()->first.second);

@@ -6,6 +6,7 @@
 /// ```cpp
 /// unirl::sampling_options s{.max_new_tokens = 8, .temperature = 1.0, .top_k = 0, .top_p = 1.0};
 /// ```
+#include <cmath>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -21,6 +22,7 @@ namespace unirl {
 /// to the `top_k` most likely tokens (0 = all) and the smallest set whose probability reaches
 /// `top_p` (1 = all). The recorded log-probabilities are those of the temperature-scaled
 /// distribution before top-k / top-p truncation: the distribution the loss evaluates.
+/// `temperature = 0` is greedy: exactly `top_k = 1` at temperature 1 (draw and log-probs).
 /// `engine` draws through the rollout engine (rollout/engine.hpp: continuous batching over a
 /// paged KV cache, one random stream per sample) instead of the static batch of `sample_tokens`;
 /// the model must then be a `PagedCausalLM` (the built-in GPT and the Hugging Face decoders are).
@@ -34,7 +36,8 @@ struct sampling_options {
 
   void validate(const std::string& prefix) const {
     options::require(max_new_tokens >= 1, prefix + "max_new_tokens", max_new_tokens, ">= 1");
-    options::require(temperature > 0.0, prefix + "temperature", temperature, "> 0");
+    options::require(temperature >= 0.0 && std::isfinite(temperature), prefix + "temperature", temperature,
+                     ">= 0 (0 = greedy)");
     options::require(top_k >= 0, prefix + "top_k", top_k, ">= 0 (0 = no top-k)");
     options::require(top_p > 0.0 && top_p <= 1.0, prefix + "top_p", top_p, "in (0, 1]");
   }
@@ -44,3 +47,11 @@ struct sampling_options {
 
 BOOST_HANA_ADAPT_STRUCT(unirl::sampling_options, max_new_tokens, temperature, top_k, top_p, stop_tokens,
                         engine);
+template <>
+inline constexpr std::array unirl::options::field_docs<unirl::sampling_options>{
+    unirl::options::field_doc{"max_new_tokens", "tokens generated per completion at most"},
+    unirl::options::field_doc{"temperature", "the logits are divided by it; 0 = greedy (the same as top_k = 1)"},
+    unirl::options::field_doc{"top_k", "sample among the k most likely tokens; 0 = all"},
+    unirl::options::field_doc{"top_p", "sample among the smallest set of tokens whose probability reaches p; 1 = all"},
+    unirl::options::field_doc{"stop_tokens", "token ids that end a completion (kept in it)"},
+    unirl::options::field_doc{"engine", "sample through the rollout engine (continuous batching, paged KV cache); the model must be a PagedCausalLM"}};

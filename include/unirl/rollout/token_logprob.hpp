@@ -38,13 +38,15 @@ namespace unirl::rollout {
 /// pass (`ops::token_logprob`: fused loops on CPU, the CUDA kernels when built with them):
 /// logits (..., V), targets (...) int64 -> ((...), (...)) in `ops::logprob_dtype` of the logits
 /// (float64 logits give float64 results; float32, float16, bfloat16 give float32).
-/// `temperature` divides the logits first (the sampler's distribution).
+/// `temperature` divides the logits first (the sampler's distribution; 0, greedy, records the
+/// log-probs at temperature 1, as `top_k = 1` does).
 template <ExecutionPolicy Exec = exec::automatic>
 std::pair<torch::Tensor, torch::Tensor> token_logprob(const torch::Tensor& logits, const torch::Tensor& targets,
                                                       double temperature = 1.0, bool with_entropy = true) {
   UNIRL_CHECK(logits.dim() == targets.dim() + 1, "token_logprob: logits ", logits.sizes(),
               " must have one more dimension than targets ", targets.sizes());
-  UNIRL_CHECK(temperature > 0.0, "token_logprob: temperature = ", temperature, ": expected > 0");
+  UNIRL_CHECK(temperature >= 0.0, "token_logprob: temperature = ", temperature, ": expected >= 0 (0 = greedy)");
+  if (temperature == 0.0) temperature = 1.0;
   const auto dtype = ops::logprob_dtype(logits.scalar_type());
   const auto x = temperature == 1.0 ? logits.to(dtype) : logits.to(dtype) / temperature;
   const auto r = ops::token_logprob<Exec>(x.reshape({-1, x.size(-1)}), targets.reshape({-1}).to(torch::kInt64));
@@ -77,7 +79,8 @@ inline std::pair<torch::Tensor, torch::Tensor> head_logprob(const torch::Tensor&
                                                             bool with_entropy = true, std::int64_t chunk = 0) {
   UNIRL_CHECK(hidden.dim() == targets.dim() + 1, "head_logprob: hidden ", hidden.sizes(),
               " must have one more dimension than targets ", targets.sizes());
-  UNIRL_CHECK(temperature > 0.0, "head_logprob: temperature = ", temperature, ": expected > 0");
+  UNIRL_CHECK(temperature >= 0.0, "head_logprob: temperature = ", temperature, ": expected >= 0 (0 = greedy)");
+  if (temperature == 0.0) temperature = 1.0;  // greedy: as token_logprob
   const auto h32 = upcast(hidden);  // the head and log-softmax in float32 (under autocast too)
   const auto h = temperature == 1.0 ? h32 : h32 / temperature;  // (h W^T) / t = (h / t) W^T
   const auto r = ops::linear_logprob(h.reshape({-1, h.size(-1)}), weight, targets.reshape({-1}).to(torch::kInt64),

@@ -142,10 +142,13 @@ token_rollout sample_tokens(const M& model, const prompt_batch& in, std::int64_t
     stops = torch::tensor(s.stop_tokens, torch::kInt64).to(device, /*non_blocking=*/true);
   auto no_nan = torch::ones({}, torch::TensorOptions(torch::kBool).device(device));  // every distribution drawn from
   std::int64_t produced = 0;
+  // temperature = 0 is greedy: top_k = 1 at temperature 1 (sampling_options).
+  const double temperature = s.temperature > 0.0 ? s.temperature : 1.0;
+  const std::int64_t top_k = s.temperature > 0.0 ? s.top_k : 1;
   for (std::int64_t t = 0; t < T; ++t) {
-    const auto scaled = logits.to(lp_dtype) / s.temperature;
+    const auto scaled = logits.to(lp_dtype) / temperature;
     const auto lsm = torch::log_softmax(scaled, -1);
-    const auto probs = torch::softmax(filter_logits(scaled, s.top_k, s.top_p), -1);
+    const auto probs = torch::softmax(filter_logits(scaled, top_k, s.top_p), -1);
     no_nan = no_nan & probs.isnan().any().logical_not();
     // torch::multinomial(probs, 1)'s draw, without its two validation reads per call.
     auto next = probs.div(torch::empty_like(probs).exponential_(1)).argmax(-1);  // (B,)

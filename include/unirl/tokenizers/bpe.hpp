@@ -381,6 +381,11 @@ class bpe_tokenizer {
   /// GPT-2 files, `added_tokens_decoder`.
   static bpe_tokenizer from_dir(const std::filesystem::path& model_dir);
 
+ private:
+  static bpe_tokenizer from_dir_files(const std::filesystem::path& model_dir);
+
+ public:
+
   /// Token ids of `text`. Added and special tokens written in the text are recognised;
   /// `add_special_tokens` applies the post-processor (e.g. Llama-3's BOS).
   std::vector<std::int64_t> encode(std::string_view text, bool add_special_tokens = false) const {
@@ -668,6 +673,17 @@ inline bpe_tokenizer bpe_tokenizer::from_gpt2_text(std::string_view vocab_json, 
 }
 
 inline bpe_tokenizer bpe_tokenizer::from_dir(const std::filesystem::path& dir) {
+  // Every error of the files names the directory they were read from.
+  try {
+    return from_dir_files(dir);
+  } catch (const std::exception& e) {
+    const std::string what = e.what();
+    if (what.find(dir.string()) != std::string::npos) throw;
+    throw ::unirl::error("unirl: the tokenizer of '" + dir.string() + "': " + what);
+  }
+}
+
+inline bpe_tokenizer bpe_tokenizer::from_dir_files(const std::filesystem::path& dir) {
   namespace fs = std::filesystem;
   UNIRL_CHECK(fs::is_directory(dir), "bpe_tokenizer::from_dir: '", dir.string(), "' is not a directory");
   nlohmann::json config = nlohmann::json::object();

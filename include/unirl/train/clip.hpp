@@ -109,3 +109,6 @@ inline void clip_grads(const std::vector<torch::Tensor>& params, const torch::Te
 }  // namespace unirl::train
 
 BOOST_HANA_ADAPT_STRUCT(unirl::train::clip_options, max_grad_norm);
+template <>
+inline constexpr std::array unirl::options::field_docs<unirl::train::clip_options>{
+    unirl::options::field_doc{"max_grad_norm", "clip the global gradient norm to this; 0 = off"}};

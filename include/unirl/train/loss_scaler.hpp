@@ -129,3 +129,11 @@ class loss_scaler {
 
 BOOST_HANA_ADAPT_STRUCT(unirl::train::loss_scale_options, mode, init_scale, growth_factor, backoff_factor,
                         growth_interval, min_scale);
+template <>
+inline constexpr std::array unirl::options::field_docs<unirl::train::loss_scale_options>{
+    unirl::options::field_doc{"mode", "dynamic loss scaling: auto (fp16 only), on or off"},
+    unirl::options::field_doc{"init_scale", "initial scale"},
+    unirl::options::field_doc{"growth_factor", "scale multiplier after growth_interval finite steps"},
+    unirl::options::field_doc{"backoff_factor", "scale multiplier after a non-finite gradient"},
+    unirl::options::field_doc{"growth_interval", "finite steps between growths"},
+    unirl::options::field_doc{"min_scale", "the scale never falls below it"}};

@@ -79,6 +79,12 @@ struct memory_options {
 }  // namespace unirl::train
 
 BOOST_HANA_ADAPT_STRUCT(unirl::train::memory_options, checkpointing, reference_device, logprob_chunk, track);
+template <>
+inline constexpr std::array unirl::options::field_docs<unirl::train::memory_options>{
+    unirl::options::field_doc{"checkpointing", "module kinds whose activations are recomputed in the backward (e.g. decoder_blocks)"},
+    unirl::options::field_doc{"reference_device", "device of the frozen reference model; empty = the training device"},
+    unirl::options::field_doc{"logprob_chunk", "sequences per chunk of the no-grad log-prob forwards; 0 = all at once"},
+    unirl::options::field_doc{"track", "memory figures per stage in the metrics"}};
 
 namespace unirl::train {
 

@@ -288,3 +288,11 @@ class optimizer {
 
 BOOST_HANA_ADAPT_STRUCT(unirl::train::param_group_options, prefix, lr_scale, weight_decay, max_grad_norm);
 BOOST_HANA_ADAPT_STRUCT(unirl::train::optimizer_options, lr, beta1, beta2, eps, weight_decay, groups);
+template <>
+inline constexpr std::array unirl::options::field_docs<unirl::train::optimizer_options>{
+    unirl::options::field_doc{"lr", "AdamW learning rate"},
+    unirl::options::field_doc{"beta1", "AdamW first-moment decay"},
+    unirl::options::field_doc{"beta2", "AdamW second-moment decay"},
+    unirl::options::field_doc{"eps", "AdamW epsilon"},
+    unirl::options::field_doc{"weight_decay", "decoupled (AdamW) weight decay"},
+    unirl::options::field_doc{"groups", "parameter groups by name pattern with their own lr / weight_decay (JSON list)"}};

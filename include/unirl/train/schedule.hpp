@@ -76,3 +76,9 @@ inline double lr_multiplier(const schedule_options& s, std::int64_t step) {
 }  // namespace unirl::train
 
 BOOST_HANA_ADAPT_STRUCT(unirl::train::schedule_options, kind, warmup_steps, total_steps, min_lr_ratio);
+template <>
+inline constexpr std::array unirl::options::field_docs<unirl::train::schedule_options>{
+    unirl::options::field_doc{"kind", "learning-rate schedule after the warm-up"},
+    unirl::options::field_doc{"warmup_steps", "linear warm-up steps from 0"},
+    unirl::options::field_doc{"total_steps", "steps of the decay; 0 = the run's steps"},
+    unirl::options::field_doc{"min_lr_ratio", "final multiplier of linear / cosine decay"}};

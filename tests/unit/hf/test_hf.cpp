@@ -933,3 +933,11 @@ TEST_CASE("lora: memory at Qwen2.5-0.5B's full shape (4 layers, vocabulary 15193
                 (b.params + b.optimizer) / 1e6, static_cast<double>(b.params + b.optimizer) / b.base);
   }
 }
+
+TEST_CASE("hf: logits(ids) of unpadded ids equals logits(ids, a mask of ones)", "[cpu][hf]") {
+  torch::manual_seed(0);
+  hf::causal_lm lm(qwen2_shaped(50, 32, 64, 2, 4, 2));
+  torch::NoGradGuard ng;
+  const auto ids = torch::randint(50, {2, 7}, torch::kInt64);
+  CHECK(torch::equal(lm.logits(ids), lm.logits(ids, torch::ones({2, 7}))));
+}

@@ -194,6 +194,16 @@ TEST_CASE("engine: per-sequence streams - the same completions with max_sequence
       const auto got = run_requests(m, reqs, seqs, ord);
       for (const auto& [key, c] : ref) CHECK(got.at(key).tokens == c.tokens);
     }
+    // temperature = 0 is greedy: the tokens and log-probs of top_k = 1 at temperature 1.
+    auto cold = stream_requests(0, 4);
+    for (auto& r : cold) r.sampling.temperature = 0.0;
+    const auto got = run_requests(m, cold, 4, order);  // the reference's schedule: equal to the bit
+    REQUIRE(got.size() == ref.size());
+    for (const auto& [key, c] : ref) {
+      const auto& g = got.at(key);
+      REQUIRE(g.tokens == c.tokens);
+      for (std::size_t t = 0; t < c.logp.size(); ++t) CHECK(g.logp[t] == c.logp[t]);
+    }
   }
   {
     // float32, sampled: ulp-level differences between batch shapes may flip a draw; measure how often.

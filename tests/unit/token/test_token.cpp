@@ -132,6 +132,23 @@ TEST_CASE("sampler: top-k 1 and a tiny top-p are greedy; filter_logits by hand",
   CHECK_THROWS_WITH(sample_tokens(m, prompt_batch{.tokens = {{}}}, 2, {}), Catch::Contains("prompt 0 is empty"));
 }
 
+TEST_CASE("sampler: temperature 0 is greedy, the same tokens and log-probs as top_k 1", "[cpu][token][sampler]") {
+  auto m = small_gpt();
+  torch::NoGradGuard ng;
+  torch::manual_seed(5);
+  const auto k1 = sample_tokens(m, ragged_prompts(), 3, {.max_new_tokens = 6, .temperature = 1.0, .top_k = 1});
+  torch::manual_seed(5);
+  const auto t0 = sample_tokens(m, ragged_prompts(), 3, {.max_new_tokens = 6, .temperature = 0.0});
+  CHECK(torch::equal(t0.completion_ids, k1.completion_ids));
+  CHECK(torch::equal(t0.completion_mask, k1.completion_mask));
+  CHECK(torch::equal(t0.old_logp, k1.old_logp));
+  // ... and the update's log-probs of temperature 0 are those at temperature 1
+  const auto logits = torch::randn({2, 3, 5});
+  const auto targets = torch::randint(5, {2, 3}, torch::kInt64);
+  CHECK(torch::equal(rollout::token_logprob(logits, targets, 0.0).first, rollout::token_logprob(logits, targets, 1.0).first));
+  CHECK_THROWS_WITH(sample_tokens(m, ragged_prompts(), 2, {.temperature = -1.0}), Catch::Contains("temperature"));
+}
+
 TEST_CASE("grpo: on-policy first update has ratio exactly 1; zero-variance groups give zero loss gradient",
           "[cpu][token][grpo]") {
   torch::manual_seed(3);

@@ -901,6 +901,10 @@ struct causal_lm : module_adapter<causal_lm, decoder_net> {
   torch::Tensor logits(const torch::Tensor& ids, const torch::Tensor& mask) const {
     return net_.ptr()->forward(ids, mask);
   }
+  /// The same for unpadded ids (every position valid): `logits(ids)`, no mask to build.
+  torch::Tensor logits(const torch::Tensor& ids) const {
+    return logits(ids, torch::ones(ids.sizes(), torch::TensorOptions(torch::kFloat).device(ids.device())));
+  }
   /// Packed logits (sequence packing): ids, positions, segments (R, N) -> (R, N, V).
   torch::Tensor logits_packed(const torch::Tensor& ids, const torch::Tensor& positions,
                               const torch::Tensor& segments) const {

@@ -1,0 +1,295 @@
+# unirl-train as a user meets it, on the checkpoint the hf_grpo example wrote (its recipe.json):
+#   cmake -DTOOL=unirl-train -DRECIPE=<dir>/recipe.json -DWORK=<dir> -DCASE=<case> -P unirl_train_cases.cmake
+# algorithms: every `algorithm` value runs a few steps (dapo also from a recipe, after an SFT stage);
+# preflight:  over-long records of the train / eval / SFT data named by file:line before any work,
+#             overlong=drop|truncate counted; every unknown key named at once;
+# export:     an unwritable export_dir found before training; summary.json kept when the export fails;
+# device:     a device that does not exist is one clean line naming the option;
+# signal:     SIGINT / SIGTERM write a checkpoint and exit 130 / 143; resumes (also after kill -9)
+#             keep one metrics row per step and a cumulative summary.json; a second signal exits now;
+# help:       --help describes every settable key (type, allowed values) and hides fixed ones;
+#             --print-recipe needs no model;
+# format:     the export records its prompt format and a run on it uses that by default;
+# greedy:     sampling.temperature = 0 is greedy: the same completions as top_k = 1.
+foreach(v TOOL RECIPE WORK CASE)
+  if(NOT DEFINED ${v})
+    message(FATAL_ERROR "${v} is not set")
+  endif()
+endforeach()
+set(WORK "${WORK}/${CASE}")
+file(REMOVE_RECURSE "${WORK}")
+file(MAKE_DIRECTORY "${WORK}")
+find_program(SH sh REQUIRED)
+
+# run(<var> args...): rc, stdout and stderr of one run, as "<rc>\n<stdout>\n<stderr>".
+function(run out_var)
+  execute_process(COMMAND "${TOOL}" --recipe "${RECIPE}" progress=false threads=1 ${ARGN}
+                  RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err TIMEOUT 300)
+  set(${out_var} "${rc}\n${out}\n${err}" PARENT_SCOPE)
+  set(${out_var}_err "${err}" PARENT_SCOPE)
+endfunction()
+function(expect what)
+  if(NOT (${ARGN}))
+    message(FATAL_ERROR "${what}")
+  endif()
+endfunction()
+function(count_lines out_var file)
+  set(n 0)
+  if(EXISTS "${file}")
+    file(STRINGS "${file}" lines)
+    list(LENGTH lines n)
+  endif()
+  set(${out_var} ${n} PARENT_SCOPE)
+endfunction()
+# The "step" values of a metrics file, in order, as a list.
+function(metric_steps out_var file)
+  file(STRINGS "${file}" lines)
+  set(steps "")
+  foreach(l IN LISTS lines)
+    string(JSON s GET "${l}" step)
+    list(APPEND steps ${s})
+  endforeach()
+  set(${out_var} "${steps}" PARENT_SCOPE)
+endfunction()
+function(expect_steps file n)
+  metric_steps(got "${file}")
+  set(want "")
+  if(n GREATER 0)
+    math(EXPR last "${n} - 1")
+    foreach(i RANGE 0 ${last})
+      list(APPEND want ${i})
+    endforeach()
+  endif()
+  list(JOIN got "," got)
+  list(JOIN want "," want)
+  expect("${file}: steps [${got}], expected 0 .. ${n} - 1, each once" got STREQUAL want)
+endfunction()
+set(quick eval_data= export_dir=none)  # no held-out evaluation, no export: training only
+
+if(CASE STREQUAL "algorithms")
+  # The fixture's recipe states every grpo.* value (which would win over a preset): a user's recipe
+  # without them, so that each algorithm name is its preset.
+  file(READ "${RECIPE}" j)
+  string(JSON j REMOVE "${j}" grpo)
+  string(JSON j REMOVE "${j}" ppo)
+  file(WRITE "${WORK}/user.json" "${j}")
+  set(RECIPE "${WORK}/user.json")
+  foreach(alg grpo dapo dr_grpo rloo reinforce_pp ppo)
+    run(a algorithm=${alg} steps=2 out=${WORK}/${alg} ${quick})
+    expect("algorithm=${alg} did not run 2 steps:\n${a}" a MATCHES "^0\n" AND a MATCHES "2 steps \\(from step 0\\)")
+  endforeach()
+  # dtype=bfloat16 loads and trains bf16 weights (the summary's recipe says so).
+  run(bf steps=1 out=${WORK}/bf16 dtype=bfloat16 ${quick})
+  expect("dtype=bfloat16 did not run:\n${bf}" bf MATCHES "^0\n" AND bf MATCHES "1 steps")
+  file(READ "${WORK}/bf16/summary.json" sj)
+  string(JSON wd GET "${sj}" weights_dtype)
+  expect("dtype=bfloat16 loaded ${wd} weights" wd STREQUAL "BFloat16")
+  file(READ "${WORK}/dapo/metrics.jsonl" m)
+  expect("algorithm=dapo: no dynamic sampling (no dynamic_sampling metric)" m MATCHES "dynamic_sampling/kept_groups")
+  # The README's command line (no recipe file), on the fixture's model and data.
+  string(JSON model GET "${j}" model)
+  string(JSON data GET "${j}" data path)
+  execute_process(COMMAND "${TOOL}" model=${model} data.path=${data} data.prompt_key=question algorithm=dapo steps=3
+                          sampling.max_new_tokens=6 out=${WORK}/readme progress=false
+                  RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err TIMEOUT 300)
+  expect("the README's unirl-train command failed:\n${rc}\n${out}\n${err}" rc EQUAL 0 AND out MATCHES "3 steps"
+         AND EXISTS "${WORK}/readme/export/model.safetensors")
+  # DAPO from a recipe of its own, after a supervised stage (the filter reward is the recipe's reward).
+  string(JSON j SET "${j}" algorithm "\"dapo\"")
+  string(JSON j SET "${j}" sft steps 2)
+  string(JSON j SET "${j}" steps 2)
+  file(WRITE "${WORK}/dapo.json" "${j}")
+  execute_process(COMMAND "${TOOL}" --recipe "${WORK}/dapo.json" progress=false out=${WORK}/dapo_recipe ${quick}
+                  RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err TIMEOUT 300)
+  expect("a DAPO recipe with an SFT stage failed:\n${rc}\n${out}\n${err}" rc EQUAL 0 AND out MATCHES "2 steps")
+  file(READ "${WORK}/dapo_recipe/metrics.jsonl" m)
+  expect("DAPO's dynamic sampling did not run (no dynamic_sampling metric)" m MATCHES "dynamic_sampling/kept_groups")
+
+elseif(CASE STREQUAL "preflight")
+  # Line 3 is ~200 tokens of ChatML: past the fixture's context (64) minus sampling.max_new_tokens (6).
+  string(REPEAT "1+" 100 long)
+  file(WRITE "${WORK}/long.jsonl"
+       "{\"question\": \"1+1\", \"answer\": \"2\"}\n{\"question\": \"2+2\", \"answer\": \"4\"}\n{\"question\": \"${long}1\", \"answer\": \"101\"}\n{\"question\": \"3+3\", \"answer\": \"6\"}\n")
+  run(a steps=2 out=${WORK}/a data.path=${WORK}/long.jsonl ${quick})
+  expect("an over-long training record was not named by file:line, length, limit and recipe key:\n${a}"
+         NOT a MATCHES "^0\n" AND a MATCHES "long.jsonl:3: the prompt is [0-9]+ tokens. the limit is 58"
+         AND a MATCHES "sampling.max_new_tokens" AND NOT a MATCHES "algorithm.sampling")
+  expect("pre-flight ran after training had started" NOT EXISTS "${WORK}/a/metrics.jsonl")
+  run(b steps=2 out=${WORK}/b data.path=${WORK}/long.jsonl overlong=drop ${quick})
+  expect("overlong=drop did not drop and count the record:\n${b}" b MATCHES "^0\n" AND b MATCHES "4 records, 1 over-long dropped")
+  run(c steps=2 out=${WORK}/c data.path=${WORK}/long.jsonl overlong=truncate ${quick})
+  expect("overlong=truncate did not truncate and count the record:\n${c}"
+         c MATCHES "^0\n" AND c MATCHES "1 over-long truncated")
+  # In the held-out data (and its name in the message), before the base model's evaluation.
+  run(e steps=2 out=${WORK}/e eval_data=${WORK}/long.jsonl export_dir=none)
+  expect("an over-long held-out record was not named:\n${e}" NOT e MATCHES "^0\n" AND e MATCHES "held-out data"
+         AND e MATCHES "long.jsonl:3: the prompt is")
+  # In the SFT data: prompt + answer against the context, before the supervised stage.
+  string(REPEAT "7" 80 long_answer)
+  file(WRITE "${WORK}/sft.jsonl" "{\"question\": \"1+1\", \"answer\": \"2\"}\n{\"question\": \"2+2\", \"answer\": \"${long_answer}\"}\n")
+  run(s steps=1 out=${WORK}/s sft.steps=2 sft.data=${WORK}/sft.jsonl ${quick})
+  expect("an over-long SFT record was not named:\n${s}" NOT s MATCHES "^0\n" AND s MATCHES "supervised data"
+         AND s MATCHES "sft.jsonl:2: the prompt and its answer are [0-9]+ tokens .[0-9]+ . [0-9]+ with eos.. the model.s context is 64")
+  expect("the SFT stage started before pre-flight" NOT EXISTS "${WORK}/s/sft_metrics.jsonl")
+  # A damaged tokenizer file: the error names the model directory, not only the file's name.
+  file(READ "${RECIPE}" j)
+  string(JSON model GET "${j}" model)
+  file(COPY "${model}/" DESTINATION "${WORK}/damaged_model")
+  file(WRITE "${WORK}/damaged_model/tokenizer.json" "{\"model\": {\"type\": \"BPE\"")
+  run(t steps=1 out=${WORK}/t model=${WORK}/damaged_model ${quick})
+  expect("a damaged tokenizer.json: the error does not name its directory:\n${t}"
+         NOT t MATCHES "^0\n" AND t MATCHES "damaged_model" AND t MATCHES "tokenizer.json")
+  # Every unknown key at once, from the recipe file and the command line.
+  file(READ "${RECIPE}" j)
+  string(JSON j SET "${j}" optim lrr 0.1)
+  string(JSON j SET "${j}" colour "\"red\"")
+  file(WRITE "${WORK}/typos.json" "${j}")
+  execute_process(COMMAND "${TOOL}" --recipe "${WORK}/typos.json" stepz=3 sampling.max_new_tokenz=4
+                  RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err TIMEOUT 60)
+  expect("not every unknown key was named at once:\n${rc}\n${err}"
+         NOT rc EQUAL 0 AND err MATCHES "4 unknown keys" AND err MATCHES "optim.lrr. did you mean optim.lr" AND err MATCHES "colour"
+         AND err MATCHES "stepz. did you mean steps" AND err MATCHES "sampling.max_new_tokenz")
+
+elseif(CASE STREQUAL "export")
+  file(WRITE "${WORK}/a_file" "not a directory\n")
+  run(a steps=2 out=${WORK}/a export_dir=${WORK}/a_file/export eval_data=)
+  expect("an unwritable export_dir was not named before training:\n${a}"
+         NOT a MATCHES "^0\n" AND a MATCHES "option 'export_dir'" AND a MATCHES "a_file/export")
+  expect("the unwritable export_dir was found after training" NOT EXISTS "${WORK}/a/metrics.jsonl")
+  # An export that fails after pre-flight (its weights file is taken by a directory): the run's
+  # summary is still written, with the export's error.
+  file(MAKE_DIRECTORY "${WORK}/taken/model.safetensors")
+  run(b steps=2 out=${WORK}/b export_dir=${WORK}/taken eval_data=)
+  expect("the export did not fail as arranged:\n${b}" NOT b MATCHES "^0\n")
+  expect("no summary.json after a failed export:\n${b}" EXISTS "${WORK}/b/summary.json")
+  file(READ "${WORK}/b/summary.json" sj)
+  string(JSON steps GET "${sj}" steps)
+  string(JSON why GET "${sj}" export_error)
+  expect("summary.json after a failed export: steps ${steps}, export_error '${why}'" steps EQUAL 2 AND why MATCHES ".")
+
+elseif(CASE STREQUAL "device")
+  foreach(dev cuda:99 gpu cuda)
+    run(a steps=1 out=${WORK}/d device=${dev} ${quick})
+    if(dev STREQUAL "cuda" AND a MATCHES "^0\n")
+      continue()  # a LibTorch with a GPU: cuda is a device here
+    endif()
+    string(STRIP "${a_err}" e)
+    string(FIND "${e}" "\n" nl)
+    expect("device=${dev}: not one clean line naming the option:\n${a}" NOT a MATCHES "^0\n" AND nl EQUAL -1
+           AND e MATCHES "option 'device'" AND e MATCHES "available: cpu" AND NOT e MATCHES "frame #")
+  endforeach()
+
+elseif(CASE STREQUAL "signal")
+  set(m "${WORK}/metrics.jsonl")
+  set(cmd "\"${TOOL}\" --recipe \"${RECIPE}\" progress=false threads=1 out=${WORK} eval_data= export_dir=none")
+  # wait_rows FILE N: until FILE has N lines (60 s at most)
+  set(wait_rows "wait_rows() { i=0; while [ \"$(cat \"$1\" 2>/dev/null | wc -l)\" -lt \"$2\" ] && [ $i -lt 600 ]; do sleep 0.1; i=$((i+1)); done; }")
+  # 1. SIGINT mid-run: the step in flight finishes, a checkpoint of it, exit 130.
+  execute_process(COMMAND ${SH} -c "${wait_rows}; ${cmd} steps=100000 > ${WORK}/int.out 2>&1 & pid=$!; wait_rows ${m} 3; kill -INT $pid; wait $pid; echo rc=$?"
+                  OUTPUT_VARIABLE o TIMEOUT 200)
+  file(READ "${WORK}/int.out" io)
+  string(REGEX MATCH "at step ([0-9]+)" _ "${io}")
+  set(n "${CMAKE_MATCH_1}")
+  expect("SIGINT did not stop with exit 130 and a clear line:\n${o}\n${io}" o MATCHES "rc=130" AND n MATCHES "^[0-9]+$"
+         AND io MATCHES "stopped by SIGINT at step [0-9]+. checkpoint .*step-0*${n}.pt")
+  file(GLOB ck "${WORK}/checkpoints/step-*.pt")
+  list(LENGTH ck nck)
+  expect("SIGINT at step ${n}: checkpoints ${ck}" nck EQUAL 1 AND ck MATCHES "step-0*${n}.pt$")
+  expect_steps("${m}" ${n})
+  file(STRINGS "${m}" first_rows LIMIT_COUNT 1)
+  string(JSON reward0 GET "${first_rows}" reward_mean)
+  # 2. resume: exactly one row per step, and a summary of both invocations.
+  math(EXPR n2 "${n} + 2")
+  execute_process(COMMAND ${SH} -c "${cmd} steps=${n2}" RESULT_VARIABLE rc OUTPUT_VARIABLE o ERROR_VARIABLE e TIMEOUT 200)
+  expect("the resume after SIGINT failed:\n${o}\n${e}" rc EQUAL 0 AND o MATCHES "resumed from step-0*${n}.pt at step ${n}")
+  expect_steps("${m}" ${n2})
+  file(READ "${WORK}/summary.json" sj)
+  string(JSON st GET "${sj}" steps)
+  string(JSON rf GET "${sj}" reward_first)
+  string(JSON inv GET "${sj}" invocations)
+  expect("summary.json not cumulative: steps ${st} (want ${n2}), reward_first ${rf} (want ${reward0}), invocations ${inv}"
+         st EQUAL n2 AND rf EQUAL reward0 AND inv EQUAL 2)
+  # 3. kill -9 with a checkpoint every step: the resume drops the rows after the checkpoint.
+  math(EXPR n3 "${n2} + 100000")
+  execute_process(COMMAND ${SH} -c "${wait_rows}; ${cmd} steps=${n3} checkpoint.every=1 > /dev/null 2>&1 & pid=$!; wait_rows ${m} $((${n2} + 3)); kill -KILL $pid; wait $pid; echo rc=$?"
+                  OUTPUT_VARIABLE o TIMEOUT 200)
+  expect("kill -9: ${o}" o MATCHES "rc=137")
+  math(EXPR n4 "${n2} + 8")
+  execute_process(COMMAND ${SH} -c "${cmd} steps=${n4} checkpoint.every=1" RESULT_VARIABLE rc OUTPUT_VARIABLE o ERROR_VARIABLE e TIMEOUT 200)
+  expect("the resume after kill -9 failed:\n${o}\n${e}" rc EQUAL 0)
+  expect_steps("${m}" ${n4})
+  # 4. SIGTERM in the supervised stage: its checkpoint, exit 143; the resume finishes it with one row per step.
+  set(w2 "${WORK}/sft_run")
+  set(sft "\"${TOOL}\" --recipe \"${RECIPE}\" progress=false threads=1 out=${w2} eval_data= export_dir=none steps=1 sft.steps=400 sft.batch_size=2")
+  execute_process(COMMAND ${SH} -c "${wait_rows}; ${sft} > ${WORK}/term.out 2>&1 & pid=$!; wait_rows ${w2}/sft_metrics.jsonl 3; kill -TERM $pid; wait $pid; echo rc=$?"
+                  OUTPUT_VARIABLE o TIMEOUT 200)
+  file(READ "${WORK}/term.out" to)
+  string(REGEX MATCH "at supervised step ([0-9]+)" _ "${to}")
+  set(k "${CMAKE_MATCH_1}")
+  expect("SIGTERM in the SFT stage: ${o}\n${to}" o MATCHES "rc=143" AND k MATCHES "^[0-9]+$" AND k LESS 400)
+  expect_steps("${w2}/sft_metrics.jsonl" ${k})
+  execute_process(COMMAND ${SH} -c "${sft}" RESULT_VARIABLE rc OUTPUT_VARIABLE o ERROR_VARIABLE e TIMEOUT 300)
+  expect("the SFT resume failed:\n${o}\n${e}" rc EQUAL 0 AND o MATCHES "sft: resumed at step ${k}")
+  expect_steps("${w2}/sft_metrics.jsonl" 400)
+  file(READ "${w2}/summary.json" sj)
+  string(JSON ss GET "${sj}" sft_steps)
+  expect("summary.json: sft_steps ${ss}, expected 400 over both invocations" ss EQUAL 400)
+  # 5. two signals: the second exits at once (long steps: it arrives mid-step).
+  execute_process(COMMAND ${SH} -c "${wait_rows}; ${cmd} out=${WORK}/twice steps=100000 prompts_per_step=64 group_size=64 sampling.max_new_tokens=50 > ${WORK}/twice.out 2>&1 & pid=$!; wait_rows ${WORK}/twice/metrics.jsonl 1; kill -INT $pid; sleep 0.3; kill -INT $pid; wait $pid; echo rc=$?"
+                  OUTPUT_VARIABLE o TIMEOUT 200)
+  file(READ "${WORK}/twice.out" tw)
+  expect("a second SIGINT did not exit at once: ${o}\n${tw}" o MATCHES "rc=130" AND tw MATCHES "second signal: exiting now" AND NOT tw MATCHES "stopped by")
+
+elseif(CASE STREQUAL "help")
+  execute_process(COMMAND "${TOOL}" --help RESULT_VARIABLE rc OUTPUT_VARIABLE h ERROR_VARIABLE e TIMEOUT 60)
+  expect("--help failed: ${e}" rc EQUAL 0)
+  # Every key line is followed by its description line.
+  string(REGEX MATCHALL "\n[a-z_.0-9]+ = " keys "${h}")
+  string(REGEX MATCHALL "\n[a-z_.0-9]+ = [^\n]*\n    [^ \n]" described "${h}")
+  list(LENGTH keys nk)
+  list(LENGTH described nd)
+  expect("--help: ${nd} of ${nk} keys have a description:\n${h}" nk GREATER 100 AND nd EQUAL nk)
+  expect("--help lists keys that cannot be set" NOT h MATCHES "\ngrpo\\.sampling\\." AND NOT h MATCHES "\nppo\\.track\\.sampling\\.")
+  expect("--help does not give the type and allowed values:\n${h}"
+         h MATCHES "\nalgorithm = grpo  \\[grpo\\|dapo\\|dr_grpo\\|rloo\\|reinforce_pp\\|ppo\\]\n    [a-zA-Z]"
+         AND h MATCHES "\nsampling.max_new_tokens = 32  \\[integer\\]\n    [a-zA-Z]"
+         AND h MATCHES "\noverlong = error  \\[error\\|drop\\|truncate\\]")
+  execute_process(COMMAND "${TOOL}" --print-recipe steps=3 RESULT_VARIABLE rc OUTPUT_VARIABLE p ERROR_VARIABLE e TIMEOUT 60)
+  expect("--print-recipe without a model failed: ${e}" rc EQUAL 0 AND p MATCHES "\"steps\": 3")
+
+elseif(CASE STREQUAL "format")
+  # Trained with a format of its own (no chat template, a suffix); the export records it.
+  run(a steps=1 out=${WORK}/a format=none "prompt_suffix==")
+  expect("the training run failed:\n${a}" a MATCHES "^0\n")
+  file(READ "${WORK}/a/export/unirl_prompt.json" pf)
+  string(JSON f GET "${pf}" format)
+  string(JSON suffix GET "${pf}" prompt_suffix)
+  expect("the export recorded format '${f}', suffix '${suffix}'" f STREQUAL "none" AND suffix STREQUAL "=")
+  file(READ "${WORK}/a/summary.json" sa)
+  string(JSON acc_a GET "${sa}" accuracy_after)
+  # A later run on the export with the default format (auto) uses the recorded one.
+  run(b steps=0 model=${WORK}/a/export out=${WORK}/b format=auto checkpoint.resume=false export_dir=none)
+  expect("the run on the export did not use the recorded format:\n${b}"
+         b MATCHES "^0\n" AND b MATCHES "prompt format: none \\(recorded in")
+  file(READ "${WORK}/b/summary.json" sb)
+  string(JSON fb GET "${sb}" recipe format)
+  string(JSON acc_b GET "${sb}" accuracy_before)
+  expect("the export scored ${acc_b} under format ${fb}; the run recorded ${acc_a}" fb STREQUAL "none" AND acc_a EQUAL acc_b)
+
+elseif(CASE STREQUAL "greedy")
+  # The held-out evaluation is greedy (top_k = 1); training rollouts at temperature 0 are too: the
+  # first step's rewards (same seed) equal those of top_k = 1, and every group has one completion.
+  run(a steps=1 out=${WORK}/t0 ${quick} sampling.temperature=0)
+  run(b steps=1 out=${WORK}/k1 ${quick} sampling.top_k=1)
+  expect("sampling.temperature=0 was refused:\n${a}" a MATCHES "^0\n" AND b MATCHES "^0\n")
+  file(STRINGS "${WORK}/t0/metrics.jsonl" ra)
+  file(STRINGS "${WORK}/k1/metrics.jsonl" rb)
+  foreach(k reward_mean reward_std reward_min reward_max)
+    string(JSON va GET "${ra}" ${k})
+    string(JSON vb GET "${rb}" ${k})
+    expect("${k}: ${va} at temperature 0, ${vb} at top_k 1" va EQUAL vb)
+  endforeach()
+else()
+  message(FATAL_ERROR "CASE = ${CASE}: expected algorithms, preflight, export, device, signal, help, format or greedy")
+endif()
+message(STATUS "unirl-train ${CASE}: ok")
