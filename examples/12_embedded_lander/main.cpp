@@ -105,8 +105,17 @@ static_assert(unirl::DiscreteEnvironment<lander>);
 
 int main(int argc, char** argv) try {
   std::int64_t iterations = 120, seed = 1, episodes = 100;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string k = argv[i], v = argv[i + 1];
+  for (int i = 1; i < argc; ++i) {
+    const std::string k = argv[i];
+    if (k == "--help" || k == "-h") {
+      std::cout << "usage: embedded_lander [--iterations N] [--seed S] [--episodes E]\n"
+                   "  --iterations  PPO iterations of 128 x 8 steps (default 120)\n"
+                   "  --seed        the policy's initial weights and the environments' seeds (default 1)\n"
+                   "  --episodes    greedy flights flown after training (default 100)\n";
+      return 0;
+    }
+    if (i + 1 >= argc) throw unirl::config_error(k, "flag without a value");
+    const std::string v = argv[++i];
     if (k == "--iterations") iterations = std::stoll(v);
     else if (k == "--seed") seed = std::stoll(v);
     else if (k == "--episodes") episodes = std::stoll(v);

@@ -204,14 +204,8 @@ BOOST_HANA_ADAPT_STRUCT(example_options, vae_iters, pretrain_iters, steps, condi
 
 int main(int argc, char** argv) try {
   example_options opt;
-  std::string out = "runs/22_digits_sd3";
-  std::vector<std::string> sets;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (a == "--out" && i + 1 < argc) out = argv[++i];
-    else sets.push_back(a);
-  }
-  unirl::options::apply_overrides(opt, sets);
+  // --out DIR, --recipe FILE, key=value overrides; --help prints every option.
+  const std::string out = unirl::options::parse_command_line(opt, argc, argv, {{"out", "runs/22_digits_sd3"}})["out"];
   std::filesystem::create_directories(out);
   torch::manual_seed(static_cast<std::uint64_t>(opt.seed));
 
