@@ -295,18 +295,28 @@ void collect_keys(std::vector<std::string>& out, const std::string& prefix) {
   });
 }
 
+// Calls `f(member, name)` on the member of `obj` named `key` and says whether `T` has one: the
+// one name lookup that reading JSON, reporting unknown keys and `set` share.
+template <class T, class F>
+bool with_member(T& obj, std::string_view key, F&& f) {
+  bool found = false;
+  boost::hana::for_each(boost::hana::accessors<std::remove_const_t<T>>(), [&](auto pair) {
+    const char* name = boost::hana::to<const char*>(boost::hana::first(pair));
+    if (found || key != name) return;
+    found = true;
+    f(boost::hana::second(pair)(obj), name);
+  });
+  return found;
+}
+
 template <class T>
   requires is_reflectable<T>
 void from_json_object(T& out, const nlohmann::json& j, const std::string& prefix) {
   if (!j.is_object())
     throw config_error(prefix.empty() ? "<root>" : prefix, "expected an object, got " + dump_text(j));
   for (auto it = j.begin(); it != j.end(); ++it) {
-    bool found = false;
-    boost::hana::for_each(boost::hana::accessors<T>(), [&](auto pair) {
-      const char* name = boost::hana::to<const char*>(boost::hana::first(pair));
-      if (found || it.key() != name) return;
-      found = true;
-      from_json_value(boost::hana::second(pair)(out), it.value(), join(prefix, name));
+    const bool found = with_member(out, it.key(), [&](auto& member, const char* name) {
+      from_json_value(member, it.value(), join(prefix, name));
     });
     if (!found) {
       std::vector<std::string> known;
@@ -441,13 +451,10 @@ void help_into(std::ostream& os, const T& v, const std::string& prefix, std::vec
 template <class T>
 void unknown_into(const nlohmann::json& j, const std::string& prefix, std::vector<std::string>& out) {
   if (!j.is_object()) return;
+  const T probe{};
   for (auto it = j.begin(); it != j.end(); ++it) {
-    bool found = false;
-    boost::hana::for_each(boost::hana::accessors<T>(), [&](auto pair) {
-      const char* name = boost::hana::to<const char*>(boost::hana::first(pair));
-      if (found || it.key() != name) return;
-      found = true;
-      using M = std::remove_cvref_t<decltype(boost::hana::second(pair)(std::declval<T&>()))>;
+    const bool found = with_member(probe, it.key(), [&](const auto& member, const char* name) {
+      using M = std::remove_cvref_t<decltype(member)>;
       if constexpr (is_reflectable<M>) unknown_into<M>(it.value(), join(prefix, name), out);
     });
     if (!found) {
@@ -464,10 +471,7 @@ bool set_path(T& obj, std::string_view path, const std::string& full_key, const 
   const auto dot = path.find('.');
   const std::string_view head = path.substr(0, dot);
   bool done = false;
-  boost::hana::for_each(boost::hana::accessors<T>(), [&](auto pair) {
-    const char* name = boost::hana::to<const char*>(boost::hana::first(pair));
-    if (done || head != name) return;
-    auto& member = boost::hana::second(pair)(obj);
+  with_member(obj, head, [&](auto& member, const char*) {
     using M = std::remove_cvref_t<decltype(member)>;
     if constexpr (is_reflectable<M>) {
       if (dot == std::string_view::npos)
