@@ -8,7 +8,7 @@
 # Environment: UNIRL_CHAOS_BUILD_DIR (default build/chaos-loop; configured and built here, the two
 # targets only), UNIRL_CHAOS_STEPS (default 60 learner steps a run; a run that ends before its
 # kill is checked and started afresh, so any N works), UNIRL_CHAOS_ROUND_SECONDS (the bound on a
-# round after its kill, default 40), UNIRL_CHAOS_SECONDS (the bound on everything, default 40 s
+# round after its kill, default 60), UNIRL_CHAOS_SECONDS (the bound on everything, default 60 s
 # per kill plus 120 s). Exit status: the driver's (0 when every check held).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -16,8 +16,8 @@ kills="${1:?usage: chaos-loop.sh N [SEED]}"
 seed="${2:-$RANDOM}"
 build="${UNIRL_CHAOS_BUILD_DIR:-$root/build/chaos-loop}"
 steps="${UNIRL_CHAOS_STEPS:-60}"
-round="${UNIRL_CHAOS_ROUND_SECONDS:-40}"
-seconds="${UNIRL_CHAOS_SECONDS:-$((kills * 40 + 120))}"
+round="${UNIRL_CHAOS_ROUND_SECONDS:-60}"
+seconds="${UNIRL_CHAOS_SECONDS:-$((kills * 60 + 120))}"
 
 if [ ! -f "$build/CMakeCache.txt" ]; then
   gen=(); command -v ninja >/dev/null && gen=(-G Ninja)

@@ -8,7 +8,8 @@
 // 1. Runs the deployment once without interruption in DIR/reference: its final weight hash is
 //    the reference, its duration the span the kill moments are drawn from.
 // 2. In DIR/run: starts the four ranks (a fresh MASTER_PORT each round), picks a rank and a
-//    moment uniformly (the moment over the reference's duration, start-up included), SIGKILLs
+//    moment (a quarter inside the start-up, the others over the training span; half the learner's
+//    kills at a "saving" marker, inside a checkpoint save), SIGKILLs
 //    it, and waits for the three others to exit by themselves: a rank whose peer died must notice
 //    (a closed connection at once, a heartbeat within fault_timeout) — one still running
 //    `--round-seconds` after the kill is a hang, and the loop fails. A deployment that finishes
@@ -373,6 +374,17 @@ int main(int argc, char** argv) {
       at = after(fraction * ref_train);
     }
     pump_to(at, [] { return false; });
+    if (victim == 0 && !in_startup && unit(rng) < 0.5) {
+      // half the learner's kills inside a checkpoint save: at its next "saving" marker, within
+      // the first few milliseconds of the write (the save fsyncs a file and its directory)
+      const auto seen = d.learner().lines.size();
+      pump_to(after(s.round_seconds), [&] {
+        for (auto i = seen; i < d.learner().lines.size(); ++i)
+          if (d.learner().lines[i].rfind("saving ", 0) == 0) return true;
+        return false;
+      });
+      ::usleep(static_cast<useconds_t>(unit(rng) * 3000));
+    }
     auto& v = *d.ranks[static_cast<std::size_t>(victim)];
     if (v.exited) {  // the deployment finished before the kill: check, start afresh
       finish_checked("a run that finished before its kill");
