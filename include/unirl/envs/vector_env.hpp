@@ -29,8 +29,8 @@
 #include <cstdint>
 #include <exception>
 #include <limits>
+#include <memory>
 #include <string>
-#include <thread>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -42,6 +42,7 @@
 #include <unirl/concepts/environment.hpp>
 #include <unirl/core/error.hpp>
 #include <unirl/core/options.hpp>
+#include <unirl/detail/worker_pool.hpp>
 #include <unirl/train/checkpoint.hpp>
 
 namespace unirl::envs {
@@ -93,14 +94,38 @@ struct running_mean_std {
 
   /// Folds in a (n, dim) batch.
   void update(const torch::Tensor& batch) {
-    const auto x = batch.to(torch::kDouble).reshape({batch.size(0), -1});
-    const double n = static_cast<double>(x.size(0));
-    const auto bmean = x.mean(0);
-    const auto bvar = x.var(0, /*unbiased=*/false);
-    const auto delta = bmean - mean;
-    const double tot = count + n;
-    mean = mean + delta * (n / tot);
-    var = (var * count + bvar * n + delta * delta * (count * n / tot)) / tot;
+    const auto x = batch.to(torch::kDouble).reshape({batch.size(0), -1}).contiguous();
+    UNIRL_CHECK(x.size(1) == mean.size(0), "running_mean_std::update: rows of ", x.size(1), " values; expected ",
+                mean.size(0));
+    update(x.data_ptr<double>(), x.size(0));
+  }
+
+  /// Folds in `n` rows of `dim` values, row-major, on plain buffers: no tensor operation, so a
+  /// vectorised environment's step pays loops over its rows, not a dozen LibTorch calls. The
+  /// batch's mean and (biased) variance are taken in two passes in double. A tensor of `mean` or
+  /// `var` held elsewhere keeps its values (they are replaced, not written into, when shared).
+  template <class T>
+  void update(const T* x, std::int64_t n) {
+    if (n <= 0) return;
+    if (mean.use_count() > 1) mean = mean.clone();
+    if (var.use_count() > 1) var = var.clone();
+    const auto dim = mean.size(0);
+    double* m = mean.data_ptr<double>();
+    double* v = var.data_ptr<double>();
+    const double rows = static_cast<double>(n), tot = count + rows;
+    for (std::int64_t d = 0; d < dim; ++d) {
+      double sum = 0;
+      for (std::int64_t i = 0; i < n; ++i) sum += static_cast<double>(x[i * dim + d]);
+      const double bmean = sum / rows;
+      double sq = 0;
+      for (std::int64_t i = 0; i < n; ++i) {
+        const double e = static_cast<double>(x[i * dim + d]) - bmean;
+        sq += e * e;
+      }
+      const double bvar = sq / rows, delta = bmean - m[d];
+      m[d] = m[d] + delta * (rows / tot);
+      v[d] = (v[d] * count + bvar * rows + delta * delta * (count * rows / tot)) / tot;
+    }
     count = tot;
   }
 };
@@ -133,7 +158,7 @@ class vector_env {
     episode_counter_.assign(envs_.size(), 0);
     discounted_.assign(envs_.size(), 0.0);
     for (std::size_t i = 0; i < envs_.size(); ++i) write_obs(i, envs_[i].reset(episode_seed(i)));
-    if (opts_.normalize_observation) obs_rms_.update(raw_obs_);
+    if (opts_.normalize_observation) obs_rms_.update(raw_obs_.data_ptr<float>(), opts_.num_envs);
     dones_ = torch::zeros({opts_.num_envs});
     obs_ = normalize_obs(raw_obs_);
   }
@@ -310,7 +335,7 @@ class vector_env {
     step_copies(a.data_ptr<action_scalar>(), rewards.data_ptr<double>(), dones.data_ptr<float>(), term.data_ptr<bool>(),
                 trunc.data_ptr<bool>());
     if (opts_.normalize_reward) rewards = normalize_reward(rewards, dones.data_ptr<float>());
-    if (opts_.normalize_observation) obs_rms_.update(raw_obs_);
+    if (opts_.normalize_observation) obs_rms_.update(raw_obs_.data_ptr<float>(), opts_.num_envs);
     obs_ = normalize_obs(raw_obs_);
     dones_ = dones;
     return {obs_, rewards.to(torch::kFloat), dones, term, trunc};
@@ -349,7 +374,7 @@ class vector_env {
     } else {
       for (std::size_t i = 0; i < n; ++i) rewards[i] = static_cast<float>(plain_rewards_[i]);
     }
-    if (opts_.normalize_observation) obs_rms_.update(raw_obs_);
+    if (opts_.normalize_observation) obs_rms_.update(raw_obs_.data_ptr<float>(), opts_.num_envs);
     if (obs_.use_count() > 1) obs_ = torch::empty_like(raw_obs_);
     normalize_obs_into(obs_.data_ptr<float>());
     if (dones_.use_count() > 1) dones_ = torch::empty({opts_.num_envs});
@@ -386,8 +411,9 @@ class vector_env {
 
   // Steps copy i with actions[i * action_components ...], writing its raw reward, done flag and
   // terminated / truncated flags, recording a finished episode and auto-resetting. With
-  // `threads` > 1 the copies are split into that many contiguous shares stepped concurrently
-  // (each copy touches only its own state and rows), and the finished episodes are recorded
+  // `threads` > 1 the copies are split into that many contiguous shares stepped concurrently on
+  // a pool started at the first such step and kept (each copy touches only its own state and
+  // rows; one share runs on the calling thread), and the finished episodes are recorded
   // afterwards in copy order — the order of the sequential loop — so nothing depends on it.
   template <class Flag>
   void step_copies(const action_scalar* actions, double* rw, float* dn, Flag* tm, Flag* tr) {
@@ -434,23 +460,18 @@ class vector_env {
         if (ended_[static_cast<std::size_t>(i)]) record_episode(i);
       }
     } else {
-      std::vector<std::exception_ptr> errors(static_cast<std::size_t>(workers));
-      {
-        std::vector<std::jthread> pool;
-        pool.reserve(static_cast<std::size_t>(workers));
-        for (std::int64_t w = 0; w < workers; ++w)
-          pool.emplace_back([&, w] {
-            try {
-              for (std::int64_t i = w * n / workers; i < (w + 1) * n / workers; ++i) one(i);
-            } catch (...) {
-              errors[static_cast<std::size_t>(w)] = std::current_exception();
-            }
-          });
-      }  // joined
+      if (!pool_.p || pool_.p->size() < workers) pool_.p = std::make_unique<::unirl::detail::worker_pool>(workers - 1);
+      std::exception_ptr error;
+      try {
+        pool_.p->run(workers, [&](std::int64_t w) {
+          for (std::int64_t i = w * n / workers; i < (w + 1) * n / workers; ++i) one(i);
+        });
+      } catch (...) {
+        error = std::current_exception();  // after the episodes of the copies that stepped
+      }
       for (std::int64_t i = 0; i < n; ++i)
         if (ended_[static_cast<std::size_t>(i)]) record_episode(i);
-      for (const auto& e : errors)
-        if (e) std::rethrow_exception(e);
+      if (error) std::rethrow_exception(error);
     }
     env_steps_ += n;
   }
@@ -487,8 +508,8 @@ class vector_env {
       g = g * opts_.reward_gamma + r[i];
       plain_disc_[static_cast<std::size_t>(i)] = g;
     }
-    ret_rms_.update(torch::from_blob(plain_disc_.data(), {opts_.num_envs, 1}, torch::kDouble));
-    const double sd = std::sqrt(ret_rms_.var.template item<double>() + 1e-8);
+    ret_rms_.update(plain_disc_.data(), opts_.num_envs);
+    const double sd = std::sqrt(ret_rms_.var.template data_ptr<double>()[0] + 1e-8);
     for (std::int64_t i = 0; i < opts_.num_envs; ++i)
       if (dones[i] != 0.0f) discounted_[static_cast<std::size_t>(i)] = 0.0;
     return sd;
@@ -534,6 +555,16 @@ class vector_env {
   std::vector<std::uint8_t> ended_;
   std::vector<double> ended_return_;
   std::vector<std::int64_t> ended_length_;
+  // The stepping threads (`threads` > 1), started once; a copy or a moved-to environment starts
+  // its own (threads are not shared between environments).
+  struct pool_holder {
+    std::unique_ptr<::unirl::detail::worker_pool> p;
+    pool_holder() = default;
+    pool_holder(const pool_holder&) {}
+    pool_holder(pool_holder&&) noexcept {}
+    pool_holder& operator=(const pool_holder&) { return *this; }
+    pool_holder& operator=(pool_holder&&) noexcept { return *this; }
+  } pool_;
 };
 
 }  // namespace unirl::envs

@@ -21,7 +21,9 @@
 /// Protocol. `publish(w, v)` (learner) writes `v` to the store key `unirl/rt/version`, then
 /// starts one send per bucket (consecutive tensors of one dtype, at most `bucket_bytes` each —
 /// a larger tensor is a bucket of its own) to every live sampler, and keeps at most
-/// `max_staleness` versions in flight (0: it waits until every live sampler received them). A
+/// `max_staleness` versions in flight (0: it waits until every live sampler received them). The
+/// first version need not be 0 (a learner resumed from its checkpoint starts at its step; it is
+/// kept under `unirl/rt/first`, and samplers receive from it on). A
 /// sampler's `fetch` receives every published version it has not received, in order, and copies
 /// the newest into its model. `push` announces the message in the store (`unirl/rt/sending/<r>`),
 /// sends a 3-int64 header (kind, bytes, version) then the bytes; `pop` receives the announced
@@ -166,6 +168,9 @@ class c10d_transport {
     if (plan_.empty()) {
       plan_ = plan(weights);
       store_->set(key("layout"), bytes_of(layout_text(weights)));
+      // A learner resumed from a checkpoint starts at its step, not at 0: the samplers receive
+      // from this version on.
+      store_->set(key("first"), bytes_of(std::to_string(version)));
     }
     check_layout(weights, "publish");
     flight f{version, {}, std::vector<std::vector<work_ptr>>(static_cast<std::size_t>(world_))};
@@ -257,6 +262,7 @@ class c10d_transport {
       plan_ = plan(weights);
     }
     check_layout(weights, "fetch");
+    if (joined_ < 0) joined_ = toward_learner("reading the first version", [&] { return first_published(); }) - 1;
     join_until(newest, &weights);
     (void)have;  // every version is received (the learner sends each); the newest is copied
     return joined_;
@@ -642,6 +648,18 @@ class c10d_transport {
           }
         }
       }
+    }
+  }
+
+  // The version the learner published first (written before the first version number).
+  std::int64_t first_published() {
+    if (!store_->check({key("first")})) return 0;
+    const std::string t = text_of(store_->get(key("first")));
+    try {
+      return std::stoll(t);
+    } catch (const std::exception&) {
+      throw error(::unirl::detail::concat("unirl: c10d_transport: store key ", key("first"), " = '", t,
+                                          "' is not a version number"));
     }
   }
 

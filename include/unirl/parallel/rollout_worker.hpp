@@ -30,8 +30,17 @@
 /// weights and samples batch k+1; batch k is pushed, with its own `policy_version`, once batch k+1
 /// is sampled (pushes stay in order; `flush` pushes the last one). Synchronous mode scores in line
 /// whatever the option says: the next batch needs the weights trained on this one's rewards.
+///
+/// Restarts (docs/parallel.md, "Faults"; the chaos loop in tests/crash). With
+/// `worker_options::seed_per_version` each batch's random stream is a function of the seed, the
+/// stream and the weight version alone, and `run_once(input_of)` asks for the input of the
+/// version it fetched: a sampler killed and started again — or a replacement — draws, from a
+/// learner resumed at its checkpoint (`learner{t, tr, t.step_count()}`), the very batches the
+/// lost one would have drawn. `save` / `load` keep the rest of a worker's state (its batch count
+/// and random generators) in an atomically written checkpoint.
 #include <algorithm>
 #include <cstdint>
+#include <functional>
 #include <future>
 #include <map>
 #include <optional>
@@ -41,6 +50,8 @@
 
 #include <boost/hana.hpp>
 #include <torch/torch.h>
+
+#include <unirl/train/checkpoint.hpp>
 
 #include <unirl/concepts/algorithm.hpp>
 #include <unirl/concepts/model.hpp>
@@ -72,10 +83,29 @@ struct worker_options {
   /// reward then runs on another thread (with no autograd and the trainer's precision, as in
   /// line); it must not be called from elsewhere meanwhile. Ignored in synchronous mode.
   bool overlap_scoring = false;
+  /// Reseed before each batch from (seed, stream, weight version) instead of drawing one stream
+  /// seeded once with seed + stream: the batch drawn for a version and an input does not depend
+  /// on what the worker drew before, so a restarted sampler draws what the killed one drew.
+  /// Off by default: then sampler 0 draws the random stream of a colocated trainer.
+  bool seed_per_version = false;
 };
 
+namespace detail {
+// SplitMix64 over (seed, stream, version): the seed of one batch's stream (worker_options::seed_per_version).
+inline std::uint64_t version_seed(std::int64_t seed, std::int64_t stream, std::int64_t version) {
+  std::uint64_t z = static_cast<std::uint64_t>(seed);
+  for (const std::int64_t x : {stream, version}) {
+    z += 0x9E3779B97F4A7C15ull + static_cast<std::uint64_t>(x);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+  }
+  return z;
+}
+}  // namespace detail
+
 }  // namespace unirl::parallel
-BOOST_HANA_ADAPT_STRUCT(unirl::parallel::worker_options, overlap_scoring);
+BOOST_HANA_ADAPT_STRUCT(unirl::parallel::worker_options, overlap_scoring, seed_per_version);
 namespace unirl::parallel {
 
 /// The sampling side: `Sampler` is the algorithm (or family) whose `sample` draws the batches —
@@ -109,7 +139,8 @@ class rollout_worker {
                  worker_options wo = {})
       : device_(opts.device), models_{std::move(model)}, reward_(std::move(reward)), algorithm_(opts.algorithm),
         transport_(&transport), group_size_(opts.group_size), updates_(opts.epochs * opts.minibatches),
-        logprob_chunk_(opts.memory.logprob_chunk), precision_(opts.precision), wo_(wo) {
+        logprob_chunk_(opts.memory.logprob_chunk), seed_(opts.seed), stream_(stream), precision_(opts.precision),
+        wo_(wo) {
     ::unirl::options::validate(opts);
     UNIRL_CHECK(stream >= 0, "rollout_worker: stream = ", stream, ": expected >= 0");
     torch::manual_seed(static_cast<std::uint64_t>(opts.seed + stream));
@@ -127,46 +158,71 @@ class rollout_worker {
   template <class Input>
     requires SamplesFrom<Sampler, Model, std::remove_reference_t<Input>>
   bool run_once(Input&& input) {
-    const bool sync = transport_->max_staleness() == 0;
-    const std::int64_t v = transport_->fetch(weights_, version_, version_ < 0 ? 0 : version_ + (sync ? 1 : 0));
-    if (v < 0) {
-      discard_pending();
-      return false;
-    }
-    version_ = v;
-    make_reference();
-    std::map<std::string, double> extra;
-    std::map<std::string, torch::Tensor> pending;
-    // Asynchronous: the batch may be trained on by later weights, so the algorithm is told the
-    // update is not on-policy (GRPO then keeps the behaviour log-probs, computed here).
-    const std::int64_t updates = sync ? updates_ : 0;
-    const step_info info{version_, group_size_, device_, &extra, updates, &pending, logprob_chunk_};
-    versioned_batch<rollout_type> out;
-    {
-      torch::NoGradGuard no_grad;
-      autocast_scope amp(device_, precision_);
-      models_.policy.train(false);
-      out.batch = algorithm_.sample(models_, input, info);
-      if (!overlapping()) out.rewards = reward_(out.batch);
-    }
-    out.policy_version = version_;
-    ++batches_;
-    if (!overlapping()) {
-      check_rewards(out);
-      return transport_->push(std::move(out));
-    }
-    if (!flush()) return false;  // batch k-1: scored while batch k was sampled
-    pending_ = std::move(out);
-    if constexpr (requires(Reward& r, const rollout_type& b) {
-                    { r.submit(b) } -> std::same_as<std::future<torch::Tensor>>;
-                  })
-      scoring_ = reward_.submit(pending_->batch);  // e.g. rewards::remote_scorer: its own request threads
-    else
-      scoring_ = ::unirl::rewards::score_async(in_line_, pending_->batch);
-    return true;
+    return run([&input](std::int64_t) -> decltype(auto) { return (input); });
+  }
+
+  /// As `run_once(input)`, with the input of the weight version fetched: `input_of(version)`.
+  /// With `seed_per_version` the batch is then a function of the version alone, whichever
+  /// version a (restarted) learner publishes first.
+  ///
+  /// ```cpp
+  /// while (w.run_once([&](std::int64_t v) { return prompts_of_step(v); })) {}
+  /// ```
+  template <class InputOf>
+    requires std::invocable<InputOf&, std::int64_t> &&
+             SamplesFrom<Sampler, Model, std::remove_cvref_t<std::invoke_result_t<InputOf&, std::int64_t>>>
+  bool run_once(InputOf&& input_of) {
+    return run([&input_of](std::int64_t v) -> decltype(auto) { return std::invoke(input_of, v); });
+  }
+
+  /// Writes the worker's state to `path` atomically (`train::write_checkpoint`: a crash inside the
+  /// save leaves the previous file whole): the version of its last batch, the batches drawn, its
+  /// seed and stream, the random generators. Not the weights: those are the learner's. Refused
+  /// while a batch is being scored (`flush` first).
+  void save(const std::string& path) const {
+    UNIRL_CHECK(!pending_, "rollout_worker::save: a batch is being scored (overlap_scoring); call flush() first");
+    ::unirl::train::write_checkpoint(path, [&](torch::serialize::OutputArchive& a) {
+      a.write("worker/version", c10::IValue(version_));
+      a.write("worker/batches", c10::IValue(batches_));
+      a.write("worker/seed", c10::IValue(seed_));
+      a.write("worker/stream", c10::IValue(stream_));
+      a.write("worker/seed_per_version", c10::IValue(wo_.seed_per_version));
+      ::unirl::train::save_rng(a);
+    });
+  }
+
+  /// Restores what `save` wrote — the batch count and the random generators — and returns the
+  /// version of the last batch saved. The next `run_once` takes the weights the learner publishes
+  /// (a learner resumed from an older checkpoint republishes from its step). Throws
+  /// `unirl::checkpoint_error` for a missing, truncated or corrupt file, and `unirl::error` when it
+  /// was written by a worker of another seed, stream or `seed_per_version`.
+  std::int64_t load(const std::string& path) {
+    UNIRL_CHECK(!pending_, "rollout_worker::load: a batch is being scored (overlap_scoring); call flush() first");
+    std::int64_t version = -1;
+    ::unirl::train::read_checkpoint(path, [&](torch::serialize::InputArchive& a) {
+      auto integer = [&](const char* k) {
+        c10::IValue v;
+        UNIRL_CHECK(a.try_read(k, v) && v.isInt(), "rollout_worker::load: '", path, "' has no integer '", k,
+                    "': expected a checkpoint written by rollout_worker::save");
+        return v.toInt();
+      };
+      c10::IValue per;
+      UNIRL_CHECK(a.try_read("worker/seed_per_version", per) && per.isBool(), "rollout_worker::load: '", path,
+                  "' has no 'worker/seed_per_version': expected a checkpoint written by rollout_worker::save");
+      const std::int64_t seed = integer("worker/seed"), stream = integer("worker/stream");
+      UNIRL_CHECK(seed == seed_ && stream == stream_ && per.toBool() == wo_.seed_per_version, "rollout_worker::load: '",
+                  path, "' was written by the worker of seed ", seed, ", stream ", stream, ", seed_per_version ",
+                  per.toBool(), "; this one has seed ", seed_, ", stream ", stream_, ", seed_per_version ",
+                  wo_.seed_per_version);
+      version = integer("worker/version");
+      batches_ = integer("worker/batches");
+      ::unirl::train::load_rng(a);
+    });
+    return version;
   }
 
   /// Pushes the batch whose scoring is in flight (`overlap_scoring`), waiting for its scores; true
+
   /// when there was none. Call it after the last `run_once` so the last batch is not lost. False
   /// when the learner has finished; rethrows the reward's error.
   bool flush() {
@@ -191,6 +247,49 @@ class rollout_worker {
   ~rollout_worker() { discard_pending(); }
 
  private:
+  // One round of run_once: `input_of(version)` is the input of the weights fetched.
+  template <class InputOf>
+  bool run(InputOf&& input_of) {
+    const bool sync = transport_->max_staleness() == 0;
+    const std::int64_t v = transport_->fetch(weights_, version_, version_ < 0 ? 0 : version_ + (sync ? 1 : 0));
+    if (v < 0) {
+      discard_pending();
+      return false;
+    }
+    version_ = v;
+    if (wo_.seed_per_version) torch::manual_seed(detail::version_seed(seed_, stream_, version_));
+    make_reference();
+    std::map<std::string, double> extra;
+    std::map<std::string, torch::Tensor> pending;
+    // Asynchronous: the batch may be trained on by later weights, so the algorithm is told the
+    // update is not on-policy (GRPO then keeps the behaviour log-probs, computed here).
+    const std::int64_t updates = sync ? updates_ : 0;
+    const step_info info{version_, group_size_, device_, &extra, updates, &pending, logprob_chunk_};
+    versioned_batch<rollout_type> out;
+    {
+      torch::NoGradGuard no_grad;
+      autocast_scope amp(device_, precision_);
+      models_.policy.train(false);
+      out.batch = algorithm_.sample(models_, input_of(version_), info);
+      if (!overlapping()) out.rewards = reward_(out.batch);
+    }
+    out.policy_version = version_;
+    ++batches_;
+    if (!overlapping()) {
+      check_rewards(out);
+      return transport_->push(std::move(out));
+    }
+    if (!flush()) return false;  // batch k-1: scored while batch k was sampled
+    pending_ = std::move(out);
+    if constexpr (requires(Reward& r, const rollout_type& b) {
+                    { r.submit(b) } -> std::same_as<std::future<torch::Tensor>>;
+                  })
+      scoring_ = reward_.submit(pending_->batch);  // e.g. rewards::remote_scorer: its own request threads
+    else
+      scoring_ = ::unirl::rewards::score_async(in_line_, pending_->batch);
+    return true;
+  }
+
   bool overlapping() const { return wo_.overlap_scoring && transport_->max_staleness() > 0; }
 
   void check_rewards(const versioned_batch<rollout_type>& out) const {
@@ -242,7 +341,7 @@ class rollout_worker {
   Reward reward_;
   algorithm_type algorithm_;
   Transport* transport_;
-  std::int64_t group_size_, updates_, logprob_chunk_;
+  std::int64_t group_size_, updates_, logprob_chunk_, seed_, stream_;
   ::unirl::precision precision_;
   worker_options wo_;
   std::vector<torch::Tensor> weights_;
@@ -252,14 +351,22 @@ class rollout_worker {
   std::future<torch::Tensor> scoring_;
 };
 
-/// The learning side: wraps a trainer and a transport; version 0 is the trainer's initial
-/// weights, each `step` publishes the next.
+/// The learning side: wraps a trainer and a transport; version `first_version` (0 unless
+/// resumed) is the trainer's weights now, each `step` publishes the next. A learner resumed from
+/// a checkpoint passes the trainer's step count, so that version v is always the weights after v
+/// steps (what `worker_options::seed_per_version` keys the samplers' streams on):
+///
+/// ```cpp
+/// if (auto last = run.latest()) t.load(last->path.string());
+/// unirl::parallel::learner l{t, tr, t.step_count()};
+/// ```
 template <class Trainer, class Transport>
 class learner {
  public:
-  learner(Trainer& t, Transport& tr) : t_(&t), tr_(&tr) {
+  learner(Trainer& t, Transport& tr, std::int64_t first_version = 0) : t_(&t), tr_(&tr), version_(first_version) {
     static_assert(RolloutTransport<Transport, typename Trainer::rollout_type>,
                   "unirl::parallel::learner: Transport does not model RolloutTransport for the trainer's rollout batch");
+    UNIRL_CHECK(first_version >= 0, "learner: first_version = ", first_version, ": expected >= 0");
     weights_ = policy_state(t_->models().policy);
     tr_->publish(weights_, version_);
   }
@@ -322,7 +429,7 @@ class learner {
   Trainer* t_;
   Transport* tr_;
   std::vector<torch::Tensor> weights_;
-  std::int64_t version_ = 0;
+  std::int64_t version_;
 };
 
 }  // namespace unirl::parallel

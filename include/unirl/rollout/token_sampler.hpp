@@ -40,8 +40,11 @@ inline torch::Tensor filter_logits(torch::Tensor logits, std::int64_t top_k, dou
   if (top_p < 1.0) {
     auto [sorted, order] = logits.sort(-1, /*descending=*/true);
     const auto cum = torch::softmax(sorted, -1).cumsum(-1);
-    // Drop a token when the tokens before it already reach top_p (the first token always stays).
+    // Drop a token when the tokens before it already reach top_p. The first token always stays,
+    // set explicitly: a top_p below float's range (1e-300) compares as 0 on float logits, and
+    // 0 >= 0 dropped every token, leaving a NaN distribution (found by fuzz_engine_request).
     auto drop = (cum - torch::softmax(sorted, -1)) >= top_p;
+    drop.narrow(-1, 0, 1).fill_(false);
     logits = logits.masked_fill(torch::zeros_like(drop).scatter(-1, order, drop), neg_inf);
   }
   return logits;

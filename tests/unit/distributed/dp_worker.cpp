@@ -6,6 +6,7 @@
 //   dp_worker split_sync|split_async|sync_bench env env <unused> <out-prefix>
 //   dp_worker colocated 0 1 <unused> <out-prefix>   (the one-process reference of split_sync)
 //   dp_worker overlap 0 1 <unused> <out-prefix>     (reward scoring overlapped with sampling, one process)
+//   dp_worker worker_restart 0 1 <unused> <out-prefix>  (seed_per_version, the worker checkpoint; one process)
 //   dp_worker split_reward_rank env env <unused> <out-prefix>   (learner, sampler, reward rank)
 //   dp_worker fault_sampler_continue|fault_sampler_stop|fault_learner env env tcp|<store-file> <out-prefix>
 //   dp_worker split_learners|split_learners_file env env <store-file> <out-prefix>   (two learners,
@@ -15,6 +16,7 @@
 #include <csignal>
 #include <cmath>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <future>
 #include <memory>
@@ -493,6 +495,77 @@ nlohmann::json overlap() {
   return out;
 }
 
+// ---- restarts (worker_options::seed_per_version, rollout_worker::save / load) ----
+
+// A sampler restarted at version 3 draws what one that ran from version 1 drew for version 3
+// (seed_per_version); without it the batch depends on the history. The worker checkpoint round
+// trip, and what load refuses. `dir` is a scratch directory.
+nlohmann::json worker_restart(const std::string& dir) {
+  const auto digits = examples::load_digits(std::string(UNIRL_TEST_DATA_DIR) + "/digits.csv.gz");
+  using tr_t = unirl::parallel::colocated_transport<bandit::rollout>;
+  using worker_t = unirl::parallel::rollout_worker<bandit::model, bandit::policy_gradient, bandit::correct_label, tr_t>;
+  torch::manual_seed(50);
+  bandit::model published{bandit::policy_net(32)};
+  const auto weights = unirl::parallel::policy_state(published);
+  // Draws versions first..3 (sync) and returns the actions of version 3's batch.
+  auto draw = [&](std::int64_t first, bool per_version, std::int64_t stream, const std::string& save) {
+    tr_t tr;
+    worker_t w(bandit::model{bandit::policy_net(32)}, {}, split_options(), tr, stream, {.seed_per_version = per_version});
+    std::vector<double> last;
+    for (std::int64_t v = first; v <= 3; ++v) {
+      tr.publish(weights, v);
+      if (!w.run_once([&](std::int64_t x) { return input_for(digits, x, stream); }))
+        throw std::runtime_error("worker_restart: the worker stopped");
+      last = values_of(tr.pop(v)->batch.actions);
+    }
+    if (!save.empty()) w.save(save);
+    return std::pair{last, w.batches()};
+  };
+  nlohmann::json out;
+  out["per_version_long"] = draw(1, true, 1, dir + "/w.pt").first;
+  out["per_version_restarted"] = draw(3, true, 1, "").first;
+  out["one_stream_long"] = draw(1, false, 1, "").first;
+  out["one_stream_restarted"] = draw(3, false, 1, "").first;
+  {
+    tr_t tr;
+    worker_t w(bandit::model{bandit::policy_net(32)}, {}, split_options(), tr, 1, {.seed_per_version = true});
+    out["loaded_version"] = w.load(dir + "/w.pt");
+    out["loaded_batches"] = w.batches();
+  }
+  auto refused = [&](std::int64_t stream, bool per_version, const std::string& path) {
+    tr_t tr;
+    worker_t w(bandit::model{bandit::policy_net(32)}, {}, split_options(), tr, stream, {.seed_per_version = per_version});
+    try {
+      (void)w.load(path);
+    } catch (const unirl::error& e) {
+      return std::string(e.what());
+    }
+    return std::string("accepted");
+  };
+  out["other_stream"] = refused(2, true, dir + "/w.pt");
+  out["other_mode"] = refused(1, false, dir + "/w.pt");
+  std::filesystem::copy_file(dir + "/w.pt", dir + "/cut.pt");
+  std::filesystem::resize_file(dir + "/cut.pt", std::filesystem::file_size(dir + "/w.pt") / 2);
+  out["truncated"] = refused(1, true, dir + "/cut.pt");
+  // A learner resumed at step 5 publishes version 5 first, then 6.
+  {
+    tr_t tr;
+    split_trainer t(bandit::model{bandit::policy_net(32)}, {}, split_options());
+    unirl::parallel::learner l(t, tr, 5);
+    worker_t w(bandit::model{bandit::policy_net(32)}, {}, split_options(), tr, 0, {.seed_per_version = true});
+    std::vector<std::int64_t> versions;
+    for (int k = 0; k < 2; ++k) {
+      if (!w.run_once([&](std::int64_t x) { return input_for(digits, x, 0); }))
+        throw std::runtime_error("worker_restart: the worker stopped");
+      versions.push_back(w.version());
+      (void)l.step();
+    }
+    out["resumed_versions"] = versions;
+    out["resumed_learner_version"] = l.version();
+  }
+  return out;
+}
+
 // A deployment of three processes: rank 0 learns, rank 1 samples (asynchronous, overlap on) and
 // scores through rank 2, a reward rank outside the c10d world serving json_correct_label. The
 // sampler checks every remote score against bandit::correct_label on the same batch.
@@ -750,11 +823,12 @@ int main(int argc, char** argv) try {
     return 0;
   }
   if (mode == "split_sync" || mode == "split_async" || mode == "sync_bench" || mode == "colocated" ||
-      mode == "overlap" || mode == "split_reward_rank") {
+      mode == "overlap" || mode == "split_reward_rank" || mode == "worker_restart") {
     const char* r = std::getenv("RANK");
-    const std::string rank = mode == "colocated" || mode == "overlap" ? "0" : r ? r : "";
+    const std::string rank = mode == "colocated" || mode == "overlap" || mode == "worker_restart" ? "0" : r ? r : "";
     const nlohmann::json out = mode == "colocated"           ? colocated()
                                : mode == "overlap"           ? overlap()
+                               : mode == "worker_restart"    ? worker_restart(std::filesystem::path(argv[5]).parent_path().string())
                                : mode == "split_reward_rank" ? split_reward_rank()
                                : mode == "sync_bench"        ? sync_bench()
                                                              : split(mode);

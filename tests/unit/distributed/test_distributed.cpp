@@ -396,6 +396,23 @@ TEST_CASE("the wire carries a token batch exactly and rejects damaged bytes with
 
 // ---- reward overlap and reward ranks (worker_options::overlap_scoring, parallel/reward_ranks.hpp) ----
 
+TEST_CASE("a restarted sampler draws the batches of the one it replaces (seed_per_version); its checkpoint round "
+          "trips and refuses another worker's; a resumed learner publishes from its step", "[cpu][distributed]") {
+  const auto res = run_workers("worker_restart", 1, std::chrono::seconds(60));
+  const auto& r = res[0];
+  REQUIRE(r["per_version_long"].size() == 64);  // 16 digits x group 4
+  CHECK(r["per_version_restarted"] == r["per_version_long"]);
+  // One stream seeded once: the batch of version 3 depends on what was drawn before it.
+  CHECK(r["one_stream_restarted"] != r["one_stream_long"]);
+  CHECK(r["loaded_version"] == 3);
+  CHECK(r["loaded_batches"] == 3);
+  CHECK_THAT(r["other_stream"].get<std::string>(), Catch::Contains("stream 1") && Catch::Contains("stream 2"));
+  CHECK_THAT(r["other_mode"].get<std::string>(), Catch::Contains("seed_per_version"));
+  CHECK_THAT(r["truncated"].get<std::string>(), Catch::Contains("cut.pt") && Catch::Contains("truncated"));
+  CHECK(r["resumed_versions"] == nlohmann::json::array({5, 6}));
+  CHECK(r["resumed_learner_version"] == 7);
+}
+
 TEST_CASE("overlapped reward scoring pushes exactly the batches in-line scoring pushes", "[cpu][distributed]") {
   const auto res = run_workers("overlap", 1, std::chrono::seconds(60));
   const auto& r = res[0];

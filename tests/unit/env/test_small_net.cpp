@@ -6,6 +6,7 @@
 // exec::automatic picks, a short CartPole run on each path, and a bit-for-bit resume.
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <filesystem>
@@ -347,6 +348,69 @@ TEST_CASE("vector_env: stepping on threads gives the results of one thread", "[c
   const std::int64_t bad[4] = {0, 1, 5, 0};
   std::vector<float> rw(4), dn(4);
   CHECK_THROWS_WITH(v.step(bad, rw.data(), dn.data()), Catch::Matchers::Contains("action = 5"));
+}
+
+TEST_CASE("running_mean_std: the update on plain buffers equals Chan's formula on tensors; a held mean keeps its "
+          "values", "[cpu][env][small_net]") {
+  torch::manual_seed(4);
+  unirl::envs::running_mean_std plain(3);
+  torch::Tensor mean = torch::zeros({3}, torch::kDouble), var = torch::ones({3}, torch::kDouble);
+  double count = 1e-4;
+  for (const std::int64_t n : {1, 5, 2, 64, 1}) {
+    const auto x = (torch::randn({n, 3}, torch::kDouble) * 3 + 1).to(torch::kFloat);
+    const auto held = plain.mean;
+    const auto held_values = held.clone();
+    plain.update(x.data_ptr<float>(), n);
+    CHECK(torch::equal(held, held_values));
+    // Gym's RunningMeanStd, on tensors
+    const auto xd = x.to(torch::kDouble);
+    const auto bmean = xd.mean(0), bvar = xd.var(0, /*unbiased=*/false), delta = bmean - mean;
+    const double tot = count + static_cast<double>(n);
+    mean = mean + delta * (static_cast<double>(n) / tot);
+    var = (var * count + bvar * static_cast<double>(n) + delta * delta * (count * static_cast<double>(n) / tot)) / tot;
+    count = tot;
+    CHECK((plain.mean - mean).abs().max().item<double>() < 1e-12);
+    CHECK((plain.var - var).abs().max().item<double>() < 1e-12);
+    CHECK(plain.count == count);
+  }
+  unirl::envs::running_mean_std t(3), p(3);  // the tensor entry point and the plain one agree exactly
+  const auto x = torch::randn({7, 3});
+  t.update(x);
+  p.update(x.data_ptr<float>(), 7);
+  CHECK(torch::equal(t.mean, p.mean));
+  CHECK(torch::equal(t.var, p.var));
+  CHECK_THROWS_WITH(t.update(torch::randn({7, 2})), Catch::Matchers::Contains("rows of 2 values; expected 3"));
+}
+
+namespace {
+// Threads that stepped a counting_cartpole, each counted once (a thread_local's first use).
+std::atomic<int> stepping_threads{0};
+struct counting_cartpole : unirl::envs::cartpole {
+  unirl::step_result<observation_type> step(const action_type& a) {
+    thread_local const bool counted = (stepping_threads.fetch_add(1), true);
+    (void)counted;
+    return cartpole::step(a);
+  }
+};
+}  // namespace
+
+TEST_CASE("vector_env: threaded steps run on one pool of threads started once, not threads per step",
+          "[cpu][env][small_net]") {
+  unirl::envs::vector_env<counting_cartpole> v({}, {.num_envs = 6, .seed = 2, .threads = 3});
+  std::vector<std::int64_t> act(6, 1);
+  std::vector<float> rw(6), dn(6);
+  for (int t = 0; t < 200; ++t) v.step(act.data(), rw.data(), dn.data());
+  // The calling thread and two workers; threads started per step would count 2 per step (400).
+  CHECK(stepping_threads.load() <= 3);
+  CHECK(stepping_threads.load() >= 2);
+  const int before = stepping_threads.load();
+  auto w = v;  // a copy starts threads of its own at its first threaded step
+  for (int t = 0; t < 50; ++t) {
+    w.step(act.data(), rw.data(), dn.data());
+    v.step(act.data(), rw.data(), dn.data());
+  }
+  CHECK(stepping_threads.load() - before == 2);
+  CHECK(w.observations().equal(v.observations()));
 }
 
 namespace {
