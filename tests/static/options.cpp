@@ -12,6 +12,7 @@
 #include <unirl/token.hpp>
 #include <unirl/models/hf/pretrained.hpp>
 #include <unirl/models/lora.hpp>
+#include <unirl/recipes/flow_recipe.hpp>
 #include <unirl/recipes/token_recipe.hpp>
 #include <unirl/train/flow_matching.hpp>
 #include <unirl/train/loss_scaler.hpp>
@@ -107,6 +108,8 @@ static_assert(reflects_every_member<unirl::recipes::token_recipe>);
 static_assert(reflects_every_member<unirl::recipes::sft_recipe>);
 static_assert(reflects_every_member<unirl::recipes::reward_recipe>);
 static_assert(reflects_every_member<unirl::recipes::checkpoint_recipe>);
+static_assert(reflects_every_member<unirl::recipes::flow_recipe>);
+static_assert(reflects_every_member<unirl::recipes::image_reward_recipe>);
 
 // vision-language models
 static_assert(reflects_every_member<unirl::models::vlm::vlm_options>);

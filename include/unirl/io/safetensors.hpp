@@ -474,17 +474,19 @@ inline void st_write_file(const std::filesystem::path& file, const std::vector<s
   out.commit();
 }
 
-/// "model-00001-of-00003.safetensors" and the like.
-inline bool st_is_shard_name(const std::string& f) {
-  // model-DDDDD-of-DDDDD.safetensors (5 or more digits each, as huggingface_hub's {:05d})
-  if (f.rfind("model-", 0) != 0 || f.size() < 32 || !f.ends_with(".safetensors")) return false;
-  const auto mid = f.find("-of-", 6);
+/// "model-00001-of-00003.safetensors" and the like (`stem` "model"; diffusers' components:
+/// "diffusion_pytorch_model").
+inline bool st_is_shard_name(const std::string& f, const std::string& stem = "model") {
+  // <stem>-DDDDD-of-DDDDD.safetensors (5 or more digits each, as huggingface_hub's {:05d})
+  const auto first = stem.size() + 1;
+  if (f.rfind(stem + "-", 0) != 0 || f.size() < first + 26 || !f.ends_with(".safetensors")) return false;
+  const auto mid = f.find("-of-", first);
   if (mid == std::string::npos) return false;
   auto digits = [&](std::size_t b, std::size_t e) {
     return e >= b + 5 && std::all_of(f.begin() + static_cast<std::ptrdiff_t>(b), f.begin() + static_cast<std::ptrdiff_t>(e),
                                      [](char c) { return c >= '0' && c <= '9'; });
   };
-  return digits(6, mid) && digits(mid + 4, f.size() - 12);
+  return digits(first, mid) && digits(mid + 4, f.size() - 12);
 }
 
 }  // namespace detail
@@ -507,10 +509,12 @@ inline void save_safetensors(const std::filesystem::path& file,
 /// formatted as huggingface_hub does); a single `model.safetensors` when everything fits.
 /// `metadata` goes into every file (with "format": "pt"). Stale checkpoint files of another
 /// layout in `dir` (model.safetensors, the index, model-*-of-*.safetensors) are removed afterwards.
+/// `stem` names the files: "model" (transformers), "diffusion_pytorch_model" (diffusers).
 inline void save_safetensors_sharded(const std::filesystem::path& dir,
                                      const std::vector<std::pair<std::string, torch::Tensor>>& tensors,
                                      std::uint64_t max_shard_bytes,
-                                     const std::map<std::string, std::string>& metadata = {}) {
+                                     const std::map<std::string, std::string>& metadata = {},
+                                     const std::string& stem = "model") {
   namespace fs = std::filesystem;
   UNIRL_CHECK(max_shard_bytes > 0, "save_safetensors_sharded: max_shard_bytes = ", max_shard_bytes, ": expected > 0");
   const auto all = detail::st_layout(tensors);  // validates every name and tensor before writing anything
@@ -531,31 +535,32 @@ inline void save_safetensors_sharded(const std::filesystem::path& dir,
   if (shards.empty()) shards.emplace_back();
   const auto md = detail::st_with_format(metadata);
   std::unordered_set<std::string> written;
+  const auto single = stem + ".safetensors", index_name = stem + ".safetensors.index.json";
   if (shards.size() == 1) {
-    save_safetensors(dir / "model.safetensors", shards[0], md);
-    written.insert("model.safetensors");
+    save_safetensors(dir / single, shards[0], md);
+    written.insert(single);
   } else {
     nlohmann::json weight_map = nlohmann::json::object();
     for (std::size_t i = 0; i < shards.size(); ++i) {
-      char name[64];
-      std::snprintf(name, sizeof name, "model-%05zu-of-%05zu.safetensors", i + 1, shards.size());
+      char suffix[64];
+      std::snprintf(suffix, sizeof suffix, "-%05zu-of-%05zu.safetensors", i + 1, shards.size());
+      const auto name = stem + suffix;
       save_safetensors(dir / name, shards[i], md);
       written.insert(name);
       for (const auto& nt : shards[i]) weight_map[nt.first] = name;
     }
     const nlohmann::json index = {{"metadata", {{"total_size", total}}}, {"weight_map", std::move(weight_map)}};
     const auto text = index.dump(2) + "\n";  // json.dumps(indent=2, sort_keys=True) + "\n"
-    detail::st_atomic_file out(dir / "model.safetensors.index.json");
+    detail::st_atomic_file out(dir / index_name);
     out.write(text.data(), text.size());
     out.commit();
-    written.insert("model.safetensors.index.json");
+    written.insert(index_name);
   }
   std::error_code ec;
   for (const auto& e : fs::directory_iterator(dir, ec)) {
     const auto f = e.path().filename().string();
     if (written.count(f)) continue;
-    if (f == "model.safetensors" || f == "model.safetensors.index.json" || detail::st_is_shard_name(f))
-      fs::remove(e.path(), ec);
+    if (f == single || f == index_name || detail::st_is_shard_name(f, stem)) fs::remove(e.path(), ec);
   }
 }
 

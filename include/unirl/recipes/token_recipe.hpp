@@ -42,6 +42,7 @@
 #include <unirl/data/jsonl.hpp>
 #include <unirl/models/hf/pretrained.hpp>
 #include <unirl/models/lora.hpp>
+#include <unirl/recipes/common.hpp>
 #include <unirl/rewards/remote.hpp>
 #include <unirl/rewards/rules.hpp>
 #include <unirl/rewards/weighted.hpp>
@@ -102,18 +103,6 @@ struct reward_recipe {
                      exact_answer, "finite weights");
     options::require(exact_answer != 0.0 || format != 0.0 || remote != 0.0, p + "exact_answer", exact_answer,
                      "at least one non-zero reward weight (exact_answer, format or remote)");
-  }
-};
-
-/// Checkpoints of a run directory.
-struct checkpoint_recipe {
-  std::int64_t every = 0;
-  std::int64_t keep = 2;
-  bool resume = true;
-
-  void validate(const std::string& p) const {
-    options::require(every >= 0, p + "every", every, ">= 0");
-    options::require(keep >= 1, p + "keep", keep, ">= 1");
   }
 };
 
@@ -200,7 +189,6 @@ struct token_recipe {
 
 BOOST_HANA_ADAPT_STRUCT(unirl::recipes::reward_recipe, exact_answer, answer, format, format_options, remote,
                         remote_options);
-BOOST_HANA_ADAPT_STRUCT(unirl::recipes::checkpoint_recipe, every, keep, resume);
 BOOST_HANA_ADAPT_STRUCT(unirl::recipes::sft_recipe, steps, data, batch_size, optim, schedule, clip, layout);
 BOOST_HANA_ADAPT_STRUCT(unirl::recipes::token_recipe, model, dtype, data, eval_data, eval_records, overlong, format,
                         system_prompt, prompt_suffix, sft, algorithm, grpo, ppo, sampling, stop, reward, optim, schedule, clip, memory, lora,
@@ -212,11 +200,6 @@ inline constexpr std::array unirl::options::field_docs<unirl::recipes::reward_re
     unirl::options::field_doc{"exact_answer", "weight of the exact-answer reward (0 = off; negative = a penalty)"},
     unirl::options::field_doc{"format", "weight of the format (regex) reward"},
     unirl::options::field_doc{"remote", "weight of the remote reward service (needs remote_options.url)"}};
-template <>
-inline constexpr std::array unirl::options::field_docs<unirl::recipes::checkpoint_recipe>{
-    unirl::options::field_doc{"every", "steps between checkpoints; 0 = only at the end (and on SIGINT / SIGTERM)"},
-    unirl::options::field_doc{"keep", "complete checkpoints kept (older ones are deleted)"},
-    unirl::options::field_doc{"resume", "continue from the latest complete checkpoint of `out` when there is one"}};
 template <>
 inline constexpr std::array unirl::options::field_docs<unirl::recipes::sft_recipe>{
     unirl::options::field_doc{"steps", "optimizer steps of the supervised stage before RL; 0 = no supervised stage"},
@@ -499,47 +482,6 @@ struct preflight_report {
   std::vector<std::string> lines{};
 };
 
-namespace detail {
-inline torch::Device checked_device(const std::string& d) {
-  const std::string cuda_note = torch::cuda::is_available()
-                                    ? "cpu, cuda, cuda:0 .. cuda:" + std::to_string(torch::cuda::device_count() - 1)
-                                    : "cpu (this LibTorch sees no CUDA device)";
-  torch::Device dev(torch::kCPU);
-  try {
-    dev = torch::Device(d);
-  } catch (const std::exception&) {
-    throw config_error("device", "\"" + d + "\" is not a device name: expected cpu, cuda or cuda:N; available: " + cuda_note);
-  }
-  if (dev.is_cuda()) {
-    if (!torch::cuda::is_available())
-      throw config_error("device", "\"" + d + "\": this LibTorch has no usable CUDA (built without it, or no GPU "
-                                   "visible); available: " + cuda_note);
-    if (dev.has_index() && dev.index() >= static_cast<int>(torch::cuda::device_count()))
-      throw config_error("device", "\"" + d + "\": no such GPU; available: " + cuda_note);
-  } else if (!dev.is_cpu()) {
-    throw config_error("device", "\"" + d + "\": unirl-train runs on cpu or cuda; available: " + cuda_note);
-  }
-  return dev;
-}
-
-// Creates `dir` and writes a file in it: an unwritable directory is found before any work.
-inline void check_writable(const std::filesystem::path& dir, const char* key) {
-  std::error_code ec;
-  std::filesystem::create_directories(dir, ec);
-  const auto probe = dir / ".unirl-write-check";
-  bool ok = !ec && std::filesystem::is_directory(dir);
-  if (ok) {
-    std::ofstream f(probe);
-    f << "ok\n";
-    ok = static_cast<bool>(f);
-  }
-  std::error_code ignored;
-  std::filesystem::remove(probe, ignored);
-  if (!ok)
-    throw config_error(key, "'" + dir.string() + "' cannot be created or written" + (ec ? ": " + ec.message() : std::string()));
-}
-}  // namespace detail
-
 /// Pre-flight of a run, before any weights are loaded or any training: the device exists, `out`
 /// and the export directory can be written, and every record of the training, held-out and
 /// supervised data reads and fits the model's context (prompt + `sampling.max_new_tokens`; for
@@ -639,40 +581,6 @@ typename Algorithm::options algorithm_options(const token_recipe& r, const sampl
     o.track.sampling = s;
     return o;
   }
-}
-
-// Keeps the rows of a metrics file whose "step" is below `step` — the steps a resumed run keeps;
-// the rest (steps after the checkpoint, a line torn by kill -9) go. Returns the kept rows.
-inline std::vector<nlohmann::json> truncate_metrics(const std::filesystem::path& path, std::int64_t step) {
-  std::vector<nlohmann::json> kept;
-  if (!std::filesystem::exists(path)) return kept;
-  std::string text;
-  {
-    std::ifstream in(path);
-    std::string line;
-    while (std::getline(in, line)) {
-      if (line.empty()) continue;
-      nlohmann::json row;
-      try {
-        row = nlohmann::json::parse(line);
-      } catch (const std::exception&) {
-        break;  // torn by a kill: nothing after it was written whole
-      }
-      if (!row.is_object() || !row.contains("step") || !row["step"].is_number_integer() ||
-          row["step"].get<std::int64_t>() >= step)
-        continue;
-      text += line + "\n";
-      kept.push_back(std::move(row));
-    }
-  }
-  const auto tmp = path.string() + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::trunc);
-    out << text;
-    UNIRL_CHECK(static_cast<bool>(out), "recipe: cannot rewrite ", path.string());
-  }
-  std::filesystem::rename(tmp, path);
-  return kept;
 }
 
 // Thrown by the supervised stage's batch source when a stop was requested: the step before it

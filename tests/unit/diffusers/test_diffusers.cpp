@@ -1,15 +1,18 @@
-// Stable Diffusion 3 in the diffusers layout: the configs' key checks, every component against the
-// outputs of tests/fixtures/diffusers/sd3_reference.py (an independent PyTorch implementation
+// Stable Diffusion 3 in the diffusers layout: the configs' key checks, every component (and the
+// T5 encoder on tiny_t5/) against the outputs of tests/fixtures/diffusers/sd3_reference.py (an independent PyTorch implementation
 // written from diffusers' and transformers' modelling code) on the tiny random pipeline
 // tiny_sd3/, a full 4-step sampling run, the flow-track adapter (text-embedding cache, guidance,
 // LoRA, checkpointing, Flow-GRPO and DiffusionNFT through the trainer) and the export back.
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <functional>
 #include <memory>
+#include <regex>
 #include <set>
+#include <utility>
 #include <string>
 #include <vector>
 
@@ -23,6 +26,7 @@
 #include <unirl/algorithms/ram.hpp>
 #include <unirl/io/safetensors.hpp>
 #include <unirl/models/diffusers/sd3.hpp>
+#include <unirl/models/diffusers/t5_encoder.hpp>
 #include <unirl/models/flow.hpp>
 #include <unirl/models/lora.hpp>
 #include <unirl/rollout/flow.hpp>
@@ -199,6 +203,90 @@ TEST_CASE("FlowMatchEulerDiscreteScheduler sigmas and a full 4-step run equal th
               "4-step latents, no guidance");
 }
 
+// bf16: unit roundoff u = 2^-8. A forward of D stages applied one after another (each linear,
+// conv, norm, attention product or residual sum rounds its result to bf16, after weights and
+// inputs were rounded) can be off the float32 result by about D u of the largest value when the
+// roundings add up; the bound checked is D u max(1, max |want|), with D counted per component:
+// an MMDiT block 12 (AdaLN linear, norm, q/k/v, RMS norm, scores, weighted sum, out, residual,
+// norm + modulation, two MLP linears, residual), the embeddings 5, the output 3; a CLIP layer 11,
+// the embeddings 1, the pooled head 2; the VAE decoder's ResNet 7, attention 6, up-sampling 1,
+// conv_in 1 and the output 3. And it ran in bf16: the error is above float32's 1e-5.
+TEST_CASE("bf16: SD3 components with bfloat16 weights equal the float32 reference within D u", "[diffusers][cpu]") {
+  auto p = df::load_sd3(pipeline_dir(), {.dtype = torch::kBFloat16});
+  REQUIRE(p.transformer->proj_out->weight.scalar_type() == torch::kBFloat16);
+  REQUIRE(p.vae->parameters().front().scalar_type() == torch::kBFloat16);
+  REQUIRE(p.text_encoder_2->parameters().front().scalar_type() == torch::kBFloat16);
+  const double u = std::ldexp(1.0, -8);
+  const auto check_bf16 = [&](const torch::Tensor& got, const torch::Tensor& want, double depth, const char* what) {
+    REQUIRE(got.scalar_type() == torch::kBFloat16);
+    const auto scale = std::max(1.0, want.abs().max().item<double>());
+    const auto diff = (got.to(torch::kFloat) - want).abs().max().item<double>();
+    std::printf("bf16 %-28s max |diff| %.3g at scale %.3g: %.3g u of the scale (bound D u, D = %g)\n", what, diff, scale,
+                diff / (u * scale), depth);
+    INFO(what << ": max |diff| = " << diff << ", bound " << depth * u * scale);
+    CHECK(diff <= depth * u * scale);
+    CHECK(diff > 1e-5 * scale);
+  };
+  torch::NoGradGuard ng;
+  const auto bf = [](const torch::Tensor& t) { return t.to(torch::kBFloat16); };
+  const auto layers = [](const auto& c) { return static_cast<double>(c.num_hidden_layers); };
+  const double dit = 12.0 * static_cast<double>(p.transformer->config().num_layers) + 8.0;
+  check_bf16(p.transformer->forward(bf(expected("dit_x")), expected("dit_t"), bf(expected("dit_ctx")), bf(expected("dit_pooled"))),
+             expected("dit_out"), dit, "transformer 8x8");
+  const auto& c1 = p.text_encoder->config();
+  const auto [h1, p1] = p.text_encoder->encode(expected("ids_1"));
+  check_bf16(h1, expected("te1_penultimate"), 11.0 * (layers(c1) - 1) + 1, "text_encoder hidden_states[-2]");
+  check_bf16(p1, expected("te1_pooled"), 11.0 * layers(c1) + 3, "text_encoder text_embeds");
+  const auto [h2, p2] = p.text_encoder_2->encode(expected("ids_2"));
+  check_bf16(p2, expected("te2_pooled"), 11.0 * layers(p.text_encoder_2->config()) + 3, "text_encoder_2 text_embeds");
+  // Decoder: conv_in, mid block (ResNet, attention, ResNet), per stage layers_per_block + 1
+  // ResNets and an up-sampling conv (none after the last), then norm, SiLU, conv_out.
+  const auto& vc = p.vae->config();
+  const auto stages = static_cast<double>(vc.block_out_channels.size());
+  const double dec = 1 + (7 + 6 + 7) + stages * 7.0 * static_cast<double>(vc.layers_per_block + 1) + (stages - 1) + 3;
+  check_bf16(p.vae->decode(bf(expected("vae_latents"))), expected("vae_decoded"), dec, "vae decode");
+  const auto lat = p.generate({prompts[0], prompts[1]}, expected("run_noise"), {.steps = 4, .guidance = 4.0});
+  const auto want = expected("run_latents");
+  const auto scale = std::max(1.0, want.abs().max().item<double>());
+  const auto diff = (lat - want).abs().max().item<double>();
+  // Guided velocities u + w (c - u) carry (|1 - w| + w) times a forward's error; the Euler
+  // steps' dt add up to 1 (accumulated in float32).
+  const double w = 4.0, run_bound = (std::abs(1.0 - w) + w) * dit * u * scale;
+  std::printf("bf16 4-step run (guidance 4)       max |diff| %.3g at scale %.3g: %.3g u of the scale (bound (|1-w|+w) D u)\n",
+              diff, scale, diff / (u * scale));
+  CHECK(diff <= run_bound);
+  CHECK(diff > 1e-5 * scale);
+}
+
+TEST_CASE("T5 encoder (text_encoder_3) equals the reference; its config keys are checked", "[diffusers][cpu]") {
+  const auto dir = fixture_dir() / "tiny_t5";
+  const io::safetensors_checkpoint r(fixture_dir() / "tiny_t5.reference.safetensors");
+  auto t5 = df::load_t5_encoder(dir);
+  CHECK(t5->config().gated);
+  CHECK(t5->encoder->block->size() == 3);
+  torch::NoGradGuard ng;
+  // Row 0 spans 14 tokens: relative distances in both the exact and the logarithmic buckets.
+  check_close(t5->forward(r.tensor("ids")), r.tensor("last_hidden_state"), "T5 last_hidden_state");
+  // Diffusers' / transformers' names, one for one.
+  const io::safetensors_checkpoint ck(dir / "model.safetensors");
+  std::set<std::string> names;
+  for (const auto& p : t5->named_parameters()) names.insert(p.key());
+  const auto listed = ck.names();
+  CHECK(names == std::set<std::string>(listed.begin(), listed.end()));
+  CHECK_THAT(error_of([&] { (void)t5->forward(torch::tensor({{1, 64}}, torch::kInt64)); }), Catch::Contains("[1, 64]"));
+
+  const auto c = read(dir / "config.json");
+  auto bad = c;
+  bad["feed_forward_proj"] = "gated-silu";
+  CHECK_THAT(error_of([&] { df::t5_encoder_config::from_json(bad, "t"); }), Catch::Contains("'feed_forward_proj'"));
+  bad = c;
+  bad["is_gated_act"] = false;
+  CHECK_THAT(error_of([&] { df::t5_encoder_config::from_json(bad, "t"); }), Catch::Contains("'is_gated_act'"));
+  bad = c;
+  bad["use_magic"] = 1;
+  CHECK_THAT(error_of([&] { df::t5_encoder_config::from_json(bad, "t"); }), Catch::Contains("'use_magic'"));
+}
+
 TEST_CASE("sd3 flow adapter: guided velocity, one text encoding per prompt, LoRA off = base", "[diffusers][cpu]") {
   auto p = df::load_sd3(pipeline_dir());
   auto pr = std::make_shared<df::sd3_prompts>(p, std::vector<std::string>{"a photo of a cat", "A thick   SEVEN, 7!"});
@@ -344,7 +432,7 @@ TEST_CASE("Flow-GRPO and DiffusionNFT train the SD3 transformer through LoRA", "
   }
 }
 
-TEST_CASE("export: the transformer and the pipeline reload bit-identical, the LoRA alone in diffusers' names",
+TEST_CASE("export: the transformer and the pipeline (single files or shards) reload bit-identical, the LoRA alone in diffusers' names",
           "[diffusers][cpu]") {
   auto p = df::load_sd3(pipeline_dir());
   unirl_test::temp_dir tmp;
@@ -357,6 +445,37 @@ TEST_CASE("export: the transformer and the pipeline reload bit-identical, the Lo
   const std::vector<std::string> two(prompts.begin(), prompts.begin() + 2);
   CHECK(torch::equal(p.generate(two, expected("run_noise"), {.steps = 4, .guidance = 4.0}),
                      q.generate(two, expected("run_noise"), {.steps = 4, .guidance = 4.0})));
+
+  // Sharded: every component above 20 kB in shards + index (diffusion_pytorch_model-0000i-of-0000n
+  // / model-0000i-of-0000n), read back bit-identical; no single file beside them.
+  df::save_sd3(p, tmp.path / "sharded", {.max_shard_bytes = 20'000});
+  for (const auto& [comp, stem] : std::vector<std::pair<std::string, std::string>>{
+           {"transformer", "diffusion_pytorch_model"}, {"vae", "diffusion_pytorch_model"},
+           {"text_encoder", "model"}, {"text_encoder_2", "model"}}) {
+    const auto d = tmp.path / "sharded" / comp;
+    INFO(comp);
+    CHECK_FALSE(std::filesystem::exists(d / (stem + ".safetensors")));
+    const auto index = read(d / (stem + ".safetensors.index.json"));
+    std::set<std::string> files;
+    for (const auto& [name, file] : index["weight_map"].items()) files.insert(file.get<std::string>());
+    CHECK(files.size() >= 2);
+    for (const auto& f : files) {
+      CHECK(std::regex_match(f, std::regex(stem + "-[0-9]{5}-of-[0-9]{5}\\.safetensors")));
+      CHECK(std::filesystem::is_regular_file(d / f));
+    }
+  }
+  auto sh = df::load_sd3(tmp.path / "sharded");
+  CHECK(unirl_test::all_equal(unirl_test::parameter_copies(*p.transformer), unirl_test::parameter_copies(*sh.transformer)));
+  CHECK(unirl_test::all_equal(unirl_test::parameter_copies(*p.vae), unirl_test::parameter_copies(*sh.vae)));
+  CHECK(unirl_test::all_equal(unirl_test::parameter_copies(*p.text_encoder), unirl_test::parameter_copies(*sh.text_encoder)));
+  CHECK(unirl_test::all_equal(unirl_test::parameter_copies(*p.text_encoder_2),
+                              unirl_test::parameter_copies(*sh.text_encoder_2)));
+  // Saved again unsharded into the same folder: the shards and the index go.
+  df::save_sd3(sh, tmp.path / "sharded");
+  CHECK(std::filesystem::is_regular_file(tmp.path / "sharded" / "vae" / "diffusion_pytorch_model.safetensors"));
+  CHECK_FALSE(std::filesystem::exists(tmp.path / "sharded" / "vae" / "diffusion_pytorch_model.safetensors.index.json"));
+  if (const char* keep = std::getenv("UNIRL_DIFFUSERS_EXPORT"))  // for check_sharded.py
+    df::save_sd3(p, std::filesystem::path(keep) / "sharded", {.max_shard_bytes = 20'000});
 
   // LoRA: trained factors out in diffusers' names, back in through load_lora: the same velocity.
   auto pr = std::make_shared<df::sd3_prompts>(p, std::vector<std::string>{"a photo of a cat"});

@@ -344,7 +344,9 @@ struct clip_text_config {
     c.bos_token_id = k.integer("bos_token_id", 49406);
     c.eos_token_id = k.integer("eos_token_id", 49407);
     c.pad_token_id = k.integer("pad_token_id", 1);
-    k.fixed("torch_dtype", "float32", "weights are read as float32");
+    if (const auto* d = k.find("torch_dtype"))  // the files' dtype; load_sd3's dtype is the weights'
+      UNIRL_CHECK(*d == "float32" || *d == "bfloat16" || *d == "float16", k.where("torch_dtype"), " = ", d->dump(),
+                  ": expected \"float32\", \"bfloat16\" or \"float16\"");
     for (const char* key : {"dropout", "attention_dropout", "initializer_range", "initializer_factor",
                             "transformers_version"})
       k.ignored(key);

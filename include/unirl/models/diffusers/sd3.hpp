@@ -86,6 +86,7 @@ struct sd3_sample_options {
 struct sd3_load_options {
   bool allow_missing_t5 = false;  // a model_index.json naming text_encoder_3: run without it (zeros)
   std::int64_t t5_tokens = 77;    // length of the zero T5 sequence
+  torch::ScalarType dtype = torch::kFloat;  // of every component's weights (the files' dtypes converted)
 };
 
 /// The components of an SD3 pipeline (see the file comment).
@@ -144,9 +145,11 @@ struct sd3_pipeline {
     const auto sig = scheduler.sigmas(o.steps);
     const auto ts = scheduler.timesteps(o.steps);
     auto x = noise.to(torch::kFloat);
+    // The transformer runs in its weights' dtype; the Euler steps accumulate in float32.
+    const auto dt = transformer.ptr()->proj_out->weight.scalar_type();
     for (std::int64_t i = 0; i < o.steps; ++i) {
-      const auto in = cfg ? torch::cat({x, x}) : x;
-      auto v = transformer.ptr()->forward(in, ts[i].expand({in.size(0)}), ctx, pooled);
+      const auto in = (cfg ? torch::cat({x, x}) : x).to(dt);
+      auto v = transformer.ptr()->forward(in, ts[i].expand({in.size(0)}), ctx.to(dt), pooled.to(dt)).to(torch::kFloat);
       if (cfg) {
         const auto parts = v.chunk(2);
         v = parts[0] + o.guidance * (parts[1] - parts[0]);
@@ -193,11 +196,28 @@ inline void expect_component(const model_index& idx, const std::string& name, co
 
 }  // namespace detail
 
-/// Reads an SD3 pipeline folder (see the file comment); every config key checked, every tensor
-/// of every component loaded (float32).
-inline sd3_pipeline load_sd3(const std::filesystem::path& dir, const sd3_load_options& o = {}) {
+/// What an SD3 pipeline folder declares, read without its tensors: model_index.json and every
+/// component's config, each checked as `load_sd3` checks it, and each weights file (or shard
+/// index) present. A program checks a folder with it before it spends time on anything.
+struct sd3_layout {
+  model_index index;
+  sd3_transformer_config transformer;
+  autoencoder_kl_config vae;
+  clip_text_config text_encoder, text_encoder_2;
+  flow_match_scheduler_config scheduler;
+
+  /// The VAE's spatial factor (2^(stages - 1)).
+  std::int64_t vae_factor() const { return std::int64_t{1} << (vae.block_out_channels.size() - 1); }
+};
+
+/// Reads and checks the layout of the SD3 pipeline folder `dir` (see `sd3_layout`); throws a
+/// `unirl::error` naming the file and the key or component at fault.
+inline sd3_layout inspect_sd3(const std::filesystem::path& dir, const sd3_load_options& o = {}) {
   const auto index_file = dir / "model_index.json";
-  sd3_pipeline p;
+  std::error_code ec;
+  UNIRL_CHECK(std::filesystem::is_regular_file(index_file, ec), "diffusers: ", dir.string(),
+              " is not a diffusers pipeline folder: it has no model_index.json");
+  sd3_layout p;
   p.index = model_index::load(index_file);
   UNIRL_CHECK(p.index.class_name == "StableDiffusion3Pipeline", "diffusers ", index_file.string(),
               ": _class_name = \"", p.index.class_name, "\": expected StableDiffusion3Pipeline");
@@ -223,37 +243,78 @@ inline sd3_pipeline load_sd3(const std::filesystem::path& dir, const sd3_load_op
       UNIRL_CHECK(!c, "diffusers ", index_file.string(), ": component '", name, "' (IP-Adapter) is not supported");
   }
   UNIRL_CHECK(o.t5_tokens >= 0, "diffusers::load_sd3: t5_tokens = ", o.t5_tokens, ": expected >= 0");
+  UNIRL_CHECK(o.dtype == torch::kFloat || o.dtype == torch::kBFloat16 || o.dtype == torch::kHalf,
+              "diffusers::load_sd3: dtype = ", o.dtype, ": expected float32, bfloat16 or float16");
+  p.transformer = sd3_transformer_config::load(dir / "transformer");
+  p.vae = autoencoder_kl_config::load(dir / "vae");
+  p.text_encoder = clip_text_config::load(dir / "text_encoder");
+  p.text_encoder_2 = clip_text_config::load(dir / "text_encoder_2");
+  p.scheduler = flow_match_scheduler_config::load(dir / "scheduler");
+  (void)detail::weights_path(dir / "transformer", "diffusion_pytorch_model");
+  (void)detail::weights_path(dir / "vae", "diffusion_pytorch_model");
+  (void)detail::weights_path(dir / "text_encoder", "model");
+  (void)detail::weights_path(dir / "text_encoder_2", "model");
+  for (const char* tok : {"tokenizer", "tokenizer_2"})
+    for (const char* f : {"vocab.json", "merges.txt"})
+      UNIRL_CHECK(std::filesystem::is_regular_file(dir / tok / f, ec), "diffusers: ", (dir / tok).string(),
+                  " has no ", f);
+  return p;
+}
+
+/// Reads an SD3 pipeline folder (see the file comment); every config key checked (`inspect_sd3`),
+/// every tensor of every component loaded in `o.dtype` (float32 unless asked; a bf16 file
+/// loads into float32 weights, a float32 one into bf16 weights with `.dtype = torch::kBFloat16`).
+inline sd3_pipeline load_sd3(const std::filesystem::path& dir, const sd3_load_options& o = {}) {
+  const auto layout = inspect_sd3(dir, o);
+  sd3_pipeline p;
+  p.index = layout.index;
   p.t5_tokens = o.t5_tokens;
-  p.transformer = sd3_transformer(sd3_transformer_config::load(dir / "transformer"));
+  p.transformer = sd3_transformer(layout.transformer);
+  p.transformer->to(o.dtype);
   detail::load_weights(*p.transformer, dir / "transformer", "diffusion_pytorch_model");
-  p.vae = autoencoder_kl(autoencoder_kl_config::load(dir / "vae"));
+  p.vae = autoencoder_kl(layout.vae);
+  p.vae->to(o.dtype);
   detail::load_weights(*p.vae, dir / "vae", "diffusion_pytorch_model");
-  p.text_encoder = clip_text_encoder(clip_text_config::load(dir / "text_encoder"));
+  p.text_encoder = clip_text_encoder(layout.text_encoder);
+  p.text_encoder->to(o.dtype);
   detail::load_weights(*p.text_encoder, dir / "text_encoder", "model");
-  p.text_encoder_2 = clip_text_encoder(clip_text_config::load(dir / "text_encoder_2"));
+  p.text_encoder_2 = clip_text_encoder(layout.text_encoder_2);
+  p.text_encoder_2->to(o.dtype);
   detail::load_weights(*p.text_encoder_2, dir / "text_encoder_2", "model");
   p.tokenizer_dir = dir / "tokenizer";
   p.tokenizer_2_dir = dir / "tokenizer_2";
   p.tokenizer = clip_tokenizer::from_dir(p.tokenizer_dir);
   p.tokenizer_2 = clip_tokenizer::from_dir(p.tokenizer_2_dir);
-  p.scheduler.config = flow_match_scheduler_config::load(dir / "scheduler");
+  p.scheduler.config = layout.scheduler;
   for (auto* m : std::vector<torch::nn::Module*>{p.text_encoder.ptr().get(), p.text_encoder_2.ptr().get(), p.vae.ptr().get()})
     for (auto& t : m->parameters()) t.set_requires_grad(false);
   return p;
 }
 
+/// Options of `save_sd3` / `save_transformer`.
+struct sd3_save_options {
+  /// Largest weights file: a component above it is written as shards
+  /// `<stem>-0000i-of-0000n.safetensors` and `<stem>.safetensors.index.json`, as diffusers'
+  /// and transformers' `save_pretrained(max_shard_size=...)` write them (stem
+  /// diffusion_pytorch_model, or model for the text encoders). Default: diffusers' 10GB.
+  std::uint64_t max_shard_bytes = 10'000'000'000;
+};
+
 /// Writes `transformer` to `dir` as diffusers' layout: config.json and
-/// diffusion_pytorch_model.safetensors (LoRA adapters merged into their weights, W + (alpha/r) B A).
-inline void save_transformer(const sd3_transformer& transformer, const std::filesystem::path& dir) {
+/// diffusion_pytorch_model.safetensors, or its shards and index above `o.max_shard_bytes` (LoRA
+/// adapters merged into their weights, W + (alpha/r) B A).
+inline void save_transformer(const sd3_transformer& transformer, const std::filesystem::path& dir,
+                             const sd3_save_options& o = {}) {
   std::filesystem::create_directories(dir);
   auto tensors = lora::merged_parameters(*transformer);
   for (const auto& b : transformer->named_buffers()) tensors.emplace_back(b.key(), b.value().detach());
-  io::save_safetensors(dir / "diffusion_pytorch_model.safetensors", tensors);
+  io::save_safetensors_sharded(dir, tensors, o.max_shard_bytes, {}, "diffusion_pytorch_model");
   std::ofstream(dir / "config.json") << transformer->config().to_json().dump(2) << "\n";
 }
 
-/// Writes the whole pipeline to `dir` (model_index.json, every component, the tokenizer files).
-inline void save_sd3(const sd3_pipeline& p, const std::filesystem::path& dir) {
+/// Writes the whole pipeline to `dir` (model_index.json, every component, the tokenizer files),
+/// each component's weights in one file or, above `o.max_shard_bytes`, in shards with an index.
+inline void save_sd3(const sd3_pipeline& p, const std::filesystem::path& dir, const sd3_save_options& o = {}) {
   namespace fs = std::filesystem;
   fs::create_directories(dir);
   model_index idx;
@@ -268,16 +329,19 @@ inline void save_sd3(const sd3_pipeline& p, const std::filesystem::path& dir) {
                     {"tokenizer_3", std::nullopt},
                     {"scheduler", std::make_pair("diffusers", "FlowMatchEulerDiscreteScheduler")}};
   std::ofstream(dir / "model_index.json") << idx.to_json().dump(2) << "\n";
-  save_transformer(p.transformer, dir / "transformer");
+  save_transformer(p.transformer, dir / "transformer", o);
   fs::create_directories(dir / "vae");
-  io::save_safetensors(dir / "vae" / "diffusion_pytorch_model.safetensors", detail::targets_of(*p.vae));
+  io::save_safetensors_sharded(dir / "vae", detail::targets_of(*p.vae), o.max_shard_bytes, {}, "diffusion_pytorch_model");
   std::ofstream(dir / "vae" / "config.json") << p.vae->config().to_json().dump(2) << "\n";
   const std::pair<const clip_text_encoder*, const char*> encoders[] = {{&p.text_encoder, "text_encoder"},
                                                                         {&p.text_encoder_2, "text_encoder_2"}};
   for (const auto& [enc, name] : encoders) {
     fs::create_directories(dir / name);
-    io::save_safetensors(dir / name / "model.safetensors", detail::targets_of(**enc));
-    std::ofstream(dir / name / "config.json") << (*enc)->config().to_json().dump(2) << "\n";
+    io::save_safetensors_sharded(dir / name, detail::targets_of(**enc), o.max_shard_bytes, {}, "model");
+    auto cfg = (*enc)->config().to_json();
+    const auto dt = (*enc)->parameters().front().scalar_type();
+    cfg["torch_dtype"] = dt == torch::kBFloat16 ? "bfloat16" : dt == torch::kHalf ? "float16" : "float32";
+    std::ofstream(dir / name / "config.json") << cfg.dump(2) << "\n";
   }
   const std::pair<const fs::path*, const char*> toks[] = {{&p.tokenizer_dir, "tokenizer"}, {&p.tokenizer_2_dir, "tokenizer_2"}};
   for (const auto& [src, name] : toks) {
@@ -314,6 +378,7 @@ class sd3_prompts {
   std::pair<torch::Tensor, torch::Tensor> embeddings(const torch::Tensor& cond, const torch::Device& device) {
     UNIRL_CHECK(cond.dim() == 1 && !cond.is_floating_point(), "diffusers::sd3_prompts: conditions of sizes ",
                 cond.sizes(), " ", cond.dtype(), ": expected (B,) prompt indices");
+    if (!caching_) cache_.clear();
     const auto idx = cond.to(torch::kCPU, torch::kInt64).contiguous();
     const auto* v = idx.data_ptr<std::int64_t>();
     std::vector<std::int64_t> todo;
@@ -345,12 +410,20 @@ class sd3_prompts {
   std::int64_t encoder_calls() const { return encoder_calls_; }
   std::int64_t encoded_prompts() const { return encoded_prompts_; }
   void clear() { cache_.clear(); }
+  /// With `on = false` every `embeddings` call encodes its prompts afresh (each transformer call
+  /// of sampling and of the update): the cost the cache saves, for measurements.
+  void set_caching(bool on) {
+    caching_ = on;
+    if (!on) cache_.clear();
+  }
+  bool caching() const { return caching_; }
 
  private:
   const sd3_pipeline& pipe_;
   std::vector<std::string> prompts_;
   std::map<std::int64_t, std::pair<torch::Tensor, torch::Tensor>> cache_;
   std::int64_t encoder_calls_ = 0, encoded_prompts_ = 0;
+  bool caching_ = true;
 };
 
 /// The transformer as a flow-track network (`ConditionalNet`): `forward(x, t, cond)` with t the
