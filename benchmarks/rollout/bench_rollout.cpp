@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <ctime>
 #include <random>
 #include <string>
 #include <vector>
@@ -76,10 +77,14 @@ void compare(const char* name, const M& model, std::int64_t seqs, std::int64_t b
   auto seconds = [](clock::time_point a) { return std::chrono::duration<double>(clock::now() - a).count(); };
 
   // Alternating runs, the fastest of each side (a loaded machine's noise hits both).
-  double t_static = 1e300, t_engine = 1e300;
+  // CPU seconds too (std::clock, one thread): on a machine other jobs load, the work a side did
+  // varies less than its wall time.
+  double t_static = 1e300, t_engine = 1e300, c_static = 1e300, c_engine = 1e300;
+  auto cpu = [](std::clock_t a) { return static_cast<double>(std::clock() - a) / CLOCKS_PER_SEC; };
   std::int64_t generated = 0, peak_blocks = 0, slot_bytes = 0;
   for (std::int64_t rep = 0; rep < reps; ++rep) {
     auto t0 = clock::now();
+    auto c0 = std::clock();
     for (std::int64_t lo = 0; run_static && lo < seqs; lo += batch) {
       const auto hi = std::min(seqs, lo + batch);
       unirl::prompt_batch part{.tokens = {in.tokens.begin() + lo, in.tokens.begin() + hi}};
@@ -87,39 +92,46 @@ void compare(const char* name, const M& model, std::int64_t seqs, std::int64_t b
       (void)b;
     }
     t_static = std::min(t_static, seconds(t0));
+    c_static = std::min(c_static, cpu(c0));
     unirl::rollout::engine eng{model, {.block_size = 16, .kv_tokens = batch * (prompt + limit + 16),
                                        .max_sequences = batch, .max_batch_tokens = std::max<std::int64_t>(512, batch)}};
     for (std::int64_t i = 0; i < seqs; ++i)
       eng.submit({.prompt = in.tokens[static_cast<std::size_t>(i)],
                   .sampling = {.max_new_tokens = L[static_cast<std::size_t>(i)]}, .seed = static_cast<std::uint64_t>(i)});
     t0 = clock::now();
+    c0 = std::clock();
     generated = 0;
     while (eng.has_work()) {
       for (const auto& r : eng.step()) generated += static_cast<std::int64_t>(r.tokens.size());
       peak_blocks = std::max(peak_blocks, eng.stats().used_blocks);
     }
     t_engine = std::min(t_engine, seconds(t0));
+    c_engine = std::min(c_engine, cpu(c0));
     slot_bytes = eng.slot_bytes();
   }
   if (generated != work) std::fprintf(stderr, "engine generated %lld tokens, expected %lld\n", (long long)generated, (long long)work);
   const double static_kv = static_cast<double>(batch * (prompt + limit) * slot_bytes) / (1 << 20);
   const double engine_kv = static_cast<double>(peak_blocks * 16 * slot_bytes) / (1 << 20);
-  std::printf("| %s | %s | %lld x (%lld + <=%lld), batch %lld | %lld | %.0f | %.0f | %.2fx | %.1f | %.1f |\n", name,
+  std::printf("| %s | %s | %lld x (%lld + <=%lld), batch %lld | %lld | %.0f | %.0f | %.2fx | %.2fx | %.1f | %.1f |\n", name,
               tail ? "long tail" : "equal", (long long)seqs, (long long)prompt, (long long)limit, (long long)batch,
               (long long)work,
-              static_cast<double>(work) / t_static, static_cast<double>(work) / t_engine, t_static / t_engine, static_kv,
+              static_cast<double>(work) / t_static, static_cast<double>(work) / t_engine, t_static / t_engine,
+              c_static / c_engine, static_kv,
               engine_kv);
   std::fflush(stdout);
 }
 
 // The absolute targets against this machine, measured in the same run (--targets=1):
-//   sgemm rate: torch::linear at one decode step's shapes (rows = the batch; q, k, v, o, gate, up,
-//     down per layer and the tied head), best of 3 each, FLOP-weighted over the step;
+//   sgemm rate: torch::linear at one decode step's shapes (rows = the batch; per layer the fused
+//     q/k/v, o, the fused gate/up and down, then the tied head), best of 3 each, FLOP-weighted
+//     over the step;
 //   bandwidth: a sum over a 1 GiB float tensor (best of 5);
 //   the engine's decode steps (every row a decode token, sampling included, best of the steps):
 //     at batch 64, 2 * rows * matmul parameters per step over the step time against the sgemm
 //     rate (= the share of the step that is GEMM time); at batch 1, every weight read once per
 //     token (the parameters' bytes) over the step time against the bandwidth.
+//   Every time here is CPU time (std::clock, one thread): on a machine other jobs load, wall
+//   times of the machine's measurement and of the engine see different contention.
 template <class M>
 double decode_step_seconds(const M& model, std::int64_t batch, std::int64_t prompt, std::int64_t steps) {
   torch::NoGradGuard ng;
@@ -134,9 +146,9 @@ double decode_step_seconds(const M& model, std::int64_t batch, std::int64_t prom
   }
   double best = 1e300;
   while (eng.has_work()) {
-    const auto t0 = std::chrono::steady_clock::now();
+    const auto c0 = std::clock();
     (void)eng.step();
-    const double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const double t = static_cast<double>(std::clock() - c0) / CLOCKS_PER_SEC;
     if (eng.stats().prefill_tokens == 0 && eng.stats().decode_tokens == batch) best = std::min(best, t);
   }
   return best;
@@ -144,13 +156,12 @@ double decode_step_seconds(const M& model, std::int64_t batch, std::int64_t prom
 
 void targets(std::int64_t layers, std::int64_t big_batch, std::int64_t steps) {
   torch::NoGradGuard ng;
-  using clock = std::chrono::steady_clock;
-  auto best_of = [](int reps, auto&& f) {
+  auto best_of = [](int reps, auto&& f) {  // CPU seconds (see decode_step_seconds)
     double best = 1e300;
     for (int r = 0; r < reps; ++r) {
-      const auto t0 = clock::now();
+      const auto c0 = std::clock();
       f();
-      best = std::min(best, std::chrono::duration<double>(clock::now() - t0).count());
+      best = std::min(best, static_cast<double>(std::clock() - c0) / CLOCKS_PER_SEC);
     }
     return best;
   };
@@ -163,8 +174,8 @@ void targets(std::int64_t layers, std::int64_t big_batch, std::int64_t steps) {
   const auto c = unirl_bench::qwen_shapes(layers);
   const std::int64_t H = c.hidden_size, I = c.intermediate_size, Dq = c.num_attention_heads * c.head_dim,
                      Dkv = c.num_key_value_heads * c.head_dim, V = c.vocab_size;
-  const std::vector<std::pair<std::int64_t, std::int64_t>> layer_shapes{{Dq, H}, {Dkv, H}, {Dkv, H}, {H, Dq},
-                                                                        {I, H},  {I, H},   {H, I}};
+  // The matmuls the model runs on more than one row: q/k/v and gate/up fused (hf::fused_linears).
+  const std::vector<std::pair<std::int64_t, std::int64_t>> layer_shapes{{Dq + 2 * Dkv, H}, {H, Dq}, {2 * I, H}, {H, I}};
   auto sgemm = [&](std::int64_t rows) {  // (GEMM seconds of one decode step, its FLOPs)
     double seconds = 0, flops = 0;
     auto one = [&](std::int64_t out, std::int64_t in, std::int64_t count) {
@@ -215,7 +226,8 @@ int main(int argc, char** argv) {
   if (run_tail) profiles.push_back(true);
   if (run_equal) profiles.push_back(false);
   std::printf("| model | lengths | requests x (prompt + completion), batch | generated tokens | sample_tokens tok/s | "
-              "engine tok/s | engine / static | static KV MiB | engine peak KV MiB |\n|---|---|---|---|---|---|---|---|---|\n");
+              "engine tok/s | engine / static | engine / static (CPU s) | static KV MiB | engine peak KV MiB |\n"
+              "|---|---|---|---|---|---|---|---|---|---|\n");
   torch::manual_seed(0);
   unirl::models::gpt g{unirl::models::gpt_options{
       .vocab_size = 16, .max_len = prompt + glimit, .n_layer = 2, .n_head = 4, .d_model = 64}};
