@@ -430,36 +430,58 @@ class engine {
                          ? logits
                          : logits.index_select(0, torch::tensor(src, torch::kInt64).to(dev));
     const auto lp_dtype = raw.scalar_type() == torch::kDouble ? torch::kDouble : torch::kFloat;
+    const auto V = raw.size(1);
     std::vector<double> temps(static_cast<std::size_t>(K));
     // temperature = 0 is greedy: top_k = 1 at temperature 1, as in `sample_tokens` (sampling_options).
+    bool unit_temperature = true;
     for (std::int64_t i = 0; i < K; ++i) {
       const double t = spec(*rows[static_cast<std::size_t>(i)]).temperature;
       temps[static_cast<std::size_t>(i)] = t > 0.0 ? t : 1.0;
+      unit_temperature = unit_temperature && temps[static_cast<std::size_t>(i)] == 1.0;
     }
-    const auto scaled = raw.to(lp_dtype) / torch::tensor(temps, torch::kDouble).to(dev, lp_dtype).unsqueeze(1);
-    const auto lsm = torch::log_softmax(scaled, -1);
+    const auto as_lp = raw.to(lp_dtype);
+    const auto scaled = unit_temperature ? as_lp
+                                         : as_lp / torch::tensor(temps, torch::kDouble).to(dev, lp_dtype).unsqueeze(1);
     // top-k / top-p per distinct setting
     std::map<std::pair<std::int64_t, double>, std::vector<std::int64_t>> groups;
     for (std::int64_t i = 0; i < K; ++i) {
       const auto& sp = spec(*rows[static_cast<std::size_t>(i)]);
       groups[{sp.temperature > 0.0 ? sp.top_k : 1, sp.top_p}].push_back(i);
     }
-    torch::Tensor filtered;
-    if (groups.size() == 1) filtered = filter_logits(scaled, groups.begin()->first.first, groups.begin()->first.second);
+    bool filtering = false;
+    for (const auto& [kp, idx] : groups) filtering = filtering || (kp.first > 0 && kp.first < V) || kp.second < 1.0;
+    // The behaviour log-prob is of the unfiltered distribution: without top-k / top-p the drawn
+    // token's probability itself, else the log-softmax of the scaled logits.
+    torch::Tensor probs, lsm;
+    if (!filtering) probs = torch::softmax(scaled, -1);
     else {
-      filtered = scaled.clone();
-      for (const auto& [kp, idx] : groups) {
-        const auto at = torch::tensor(idx, torch::kInt64).to(dev);
-        filtered.index_copy_(0, at, filter_logits(scaled.index_select(0, at), kp.first, kp.second));
+      lsm = torch::log_softmax(scaled, -1);
+      torch::Tensor filtered;
+      if (groups.size() == 1) filtered = filter_logits(scaled, groups.begin()->first.first, groups.begin()->first.second);
+      else {
+        filtered = scaled.clone();
+        for (const auto& [kp, idx] : groups) {
+          const auto at = torch::tensor(idx, torch::kInt64).to(dev);
+          filtered.index_copy_(0, at, filter_logits(scaled.index_select(0, at), kp.first, kp.second));
+        }
       }
+      probs = torch::softmax(filtered, -1);
     }
-    const auto probs = torch::softmax(filtered, -1);
-    // Each sample's own stream: q ~ Exp(1), next = argmax p / q (torch::multinomial's draw).
-    auto noise = torch::empty({K, raw.size(1)}, torch::TensorOptions(lp_dtype));
-    for (std::int64_t i = 0; i < K; ++i) noise[i].exponential_(1.0, rows[static_cast<std::size_t>(i)]->gen);
-    const auto next = probs.div(noise.to(dev, /*non_blocking=*/true)).argmax(-1);
-    const auto lp = lsm.gather(1, next.unsqueeze(1)).squeeze(1);
-    const auto nan = probs.isnan().any().to(torch::kDouble).reshape({1});
+    // Each sample's own stream: one uniform u per draw, the token is where the cumulative
+    // distribution passes u (inverse CDF: one random number per token drawn, not one per
+    // vocabulary entry, and the same tensor ops on every device). The first index whose
+    // cumulative sum exceeds u * total skips zero-probability tokens; u * total rounding up to
+    // the total takes the last token with probability.
+    auto u = torch::empty({K}, torch::TensorOptions(torch::kDouble));
+    for (std::int64_t i = 0; i < K; ++i) u[i].uniform_(0.0, 1.0, rows[static_cast<std::size_t>(i)]->gen);
+    const auto cdf = probs.cumsum(-1);                      // (K, V)
+    const auto total = cdf.select(1, V - 1).unsqueeze(1).contiguous();  // (K, 1): NaN when the distribution holds NaN
+    const auto target = u.to(dev, lp_dtype, /*non_blocking=*/true).unsqueeze(1) * total;
+    auto next = torch::searchsorted(cdf, target, /*out_int32=*/false, /*right=*/true);
+    next = torch::where(next >= V, torch::searchsorted(cdf, total), next).squeeze(1).clamp_max(V - 1);
+    const auto lp = filtering ? lsm.gather(1, next.unsqueeze(1)).squeeze(1)
+                              : probs.gather(1, next.unsqueeze(1)).squeeze(1).log();
+    const auto nan = total.isnan().any().to(torch::kDouble).reshape({1});
     const auto read = to_host(torch::cat({nan, next.to(torch::kDouble), lp.to(torch::kDouble)}));
     UNIRL_CHECK(read[0] == 0.0, "engine: a next-token distribution holds NaN (the model's logits are not finite); "
                                 "expected finite logits");

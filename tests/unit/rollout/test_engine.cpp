@@ -2,7 +2,9 @@
 // full forward, per-sequence streams make completions independent of scheduling, pause / resume,
 // the prefix cache's invalidation, memory accounting, errors.
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <limits>
 #include <map>
 #include <random>
 #include <string>
@@ -391,4 +393,54 @@ TEST_CASE("engine: bad requests are errors naming the value", "[cpu][rollout][en
   rollout::engine no_decoder{m, {.block_size = 4, .kv_tokens = 64}};
   CHECK_THROWS_WITH(no_decoder.submit({.prompt = {1}, .stop_strings = {"</tool_call>"}}),
                     Catch::Contains("stop strings need a decoder"));
+}
+
+TEST_CASE("engine: the inverse-CDF draw follows the model's distribution; top-k's dropped tokens are never drawn; "
+          "non-finite logits are an error",
+          "[cpu][rollout][engine]") {
+  const auto m = engine_gpt(torch::kDouble);
+  const std::vector<std::int64_t> prompt{3, 1, 4, 1, 5};
+  // Temperature 0.05 sharpens the random model's near-uniform distribution, so a draw that
+  // ignored the probabilities (uniform, or always the most likely token) could not pass.
+  const double T = 0.05;
+  const auto p = torch::softmax(full_logits(m, prompt)[4] / T, -1);
+  const auto V = p.size(0);
+  auto draw = [&](std::int64_t top_k, std::int64_t requests) {
+    rollout::engine eng{m, {.block_size = 4, .kv_tokens = 64 * 8, .max_sequences = 64}};
+    for (std::int64_t i = 0; i < requests; ++i)
+      eng.submit({.prompt = prompt, .sampling = {.max_new_tokens = 1, .temperature = T, .top_k = top_k},
+                  .seed = static_cast<std::uint64_t>(100 + i), .n = 64});
+    return eng.run();
+  };
+  const auto all = draw(0, 40);
+  std::vector<double> count(static_cast<std::size_t>(V), 0.0);
+  for (const auto& r : all) {
+    REQUIRE(r.tokens.size() == 1);
+    count[static_cast<std::size_t>(r.tokens[0])] += 1;
+    // the recorded log-prob is the temperature-scaled distribution's
+    CHECK(std::abs(r.logp[0] - std::log(p[r.tokens[0]].item<double>())) < 1e-10);
+  }
+  const double N = static_cast<double>(all.size());
+  REQUIRE(N == 2560);
+  double pmax = 0;
+  for (std::int64_t i = 0; i < V; ++i) {
+    const double pi = p[i].item<double>(), f = count[static_cast<std::size_t>(i)] / N;
+    pmax = std::max(pmax, pi);
+    INFO("token " << i << ": p " << pi << ", drawn " << f);
+    CHECK(std::abs(f - pi) <= 5.0 * std::sqrt(pi * (1.0 - pi) / N) + 1e-3);  // 5 standard errors
+  }
+  REQUIRE(pmax < 0.9);        // not a point mass: the frequencies say something
+  REQUIRE(pmax > 2.0 / V);    // not uniform
+  // top_k = 3: only the three most likely tokens
+  const auto top3 = std::get<1>(p.topk(3));
+  for (const auto& r : draw(3, 4)) CHECK((top3 == r.tokens[0]).any().item<bool>());
+  // A model whose logits hold NaN: the step says so.
+  auto bad = engine_gpt(torch::kDouble);
+  {
+    torch::NoGradGuard ng;
+    bad.net()->parameters().back().fill_(std::numeric_limits<double>::quiet_NaN());
+  }
+  rollout::engine eng{bad, {.block_size = 4, .kv_tokens = 64}};
+  eng.submit({.prompt = prompt, .sampling = {.max_new_tokens = 2}});
+  CHECK_THROWS_WITH(eng.run(), Catch::Contains("a next-token distribution holds NaN"));
 }
