@@ -98,7 +98,7 @@ struct no_tools {};
 /// and the rollout's statistics.
 struct episodes_result {
   std::vector<trajectory> episodes;
-  std::map<std::string, double> stats;  // episodes, turns_mean, reward_mean, tool_call_rate, tool/..., seconds, ...
+  std::map<std::string, double> stats;  // episodes, turns_mean, reward_mean, tool_call_rate, tool/... (this rollout's), seconds, ...
 };
 
 namespace detail {
@@ -128,6 +128,8 @@ episodes_result run_episodes(const M& model, const E& env, const std::vector<std
               "run_episodes: agent_text needs encode and decode");
   using clock = std::chrono::steady_clock;
   const auto t0 = clock::now();
+  tool_stats tools_before{};
+  if constexpr (has_tools) tools_before = tools.stats();
   const auto n_tasks = static_cast<std::int64_t>(seeds.size());
   const auto B = n_tasks * group;
   const auto f = o.format;
@@ -322,8 +324,10 @@ episodes_result run_episodes(const M& model, const E& env, const std::vector<std
   out.stats["engine_steps"] = static_cast<double>(eng.stats().steps);
   out.stats["seconds"] = secs;
   out.stats["episodes_per_second"] = secs > 0 ? n / secs : 0.0;
-  if constexpr (has_tools)
-    for (const auto& [k, v] : tools.stats().to_map()) out.stats[k] = v;
+  if constexpr (has_tools) {  // this rollout's calls (the toolbox counts over its lifetime)
+    const auto before = tools_before.to_map();
+    for (const auto& [k, v] : tools.stats().to_map()) out.stats[k] = v - before.at(k);
+  }
   out.episodes = std::move(eps);
   return out;
 }

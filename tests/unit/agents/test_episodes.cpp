@@ -5,6 +5,7 @@
 // counters, and GRPO over episodes trains the policy tokens only (its loss against the formula,
 // and a policy that learns).
 #include <chrono>
+#include <cstdio>
 #include <cstdint>
 #include <filesystem>
 #include <map>
@@ -74,10 +75,11 @@ struct steered_gpt : models::gpt {
 };
 static_assert(PagedCausalLM<steered_gpt>);
 
-steered_gpt make_policy(std::int64_t vocab, std::int64_t max_len, std::int64_t d_model = 16) {
+steered_gpt make_policy(std::int64_t vocab, std::int64_t max_len, std::int64_t d_model = 16,
+                        torch::ScalarType dtype = torch::kDouble, std::int64_t n_layer = 1) {
   torch::manual_seed(11);
-  models::gpt g{models::gpt_options{.vocab_size = vocab, .max_len = max_len, .n_layer = 1, .n_head = 2, .d_model = d_model}};
-  g.net()->to(torch::kDouble);
+  models::gpt g{models::gpt_options{.vocab_size = vocab, .max_len = max_len, .n_layer = n_layer, .n_head = 2, .d_model = d_model}};
+  g.net()->to(dtype);
   g.train(false);
   return steered_gpt{std::move(g), torch::zeros({vocab}, torch::kDouble)};
 }
@@ -431,4 +433,80 @@ TEST_CASE("episode GRPO: a policy learns from episode rewards (the rollout on th
   }
   CHECK(first < 0.3);
   CHECK(last > 0.8);
+}
+
+namespace {
+// Sleeps a fixed time (stopping early when asked): a tool that takes time.
+struct delay_tool {
+  std::chrono::microseconds delay{0};
+  std::string name() const { return "wait"; }
+  std::string description() const { return "Waits."; }
+  json parameters() const { return {{"type", "object"}}; }
+  std::string call(const json&, std::stop_token st) const {
+    const auto until = std::chrono::steady_clock::now() + delay;
+    while (std::chrono::steady_clock::now() < until && !st.stop_requested())
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    return "done";
+  }
+  std::string call(const json& a) const { return call(a, std::stop_token{}); }
+};
+// Four turns, then done; no reward (the benchmark measures the schedule).
+struct four_turns {
+  int turn = 0;
+  text_observation reset(std::uint64_t) {
+    turn = 0;
+    return {.text = "Go."};
+  }
+  text_step step(const std::string&) { return {.observation = {.text = "More."}, .done = ++turn == 4}; }
+};
+}  // namespace
+
+// Episodes/s with tools that take time, overlapped (the other sequences decode while a call
+// runs) against lockstep (nothing decodes while any call runs), side by side on one machine.
+// The policy is the built-in GPT steered to end a turn every few tokens; one id of its
+// tokenizer decodes to a whole tool call, written with probability ~1/3 at each turn's end, so
+// calls start at scattered times. docs/performance.md. Run by hand:
+//   unit_agents "[bench]" --reporter compact
+TEST_CASE("episodes: overlapped tool calls against lockstep (benchmark)", "[.][bench][agents]") {
+  const aliased_text text;  // the alias id decodes to a tool call here
+  const auto call_id = text.alias();
+  const std::string call = tokenizers::tool_call_text("wait", json::object()) + "\n\n";
+  agent_text io{.encode = [&](const std::string& s) { return text.tok.encode(s); },
+                .decode = [&](const std::vector<std::int64_t>& ids) {
+                  std::string out;
+                  for (const auto i : ids) out += i == call_id ? call : text.tok.decode({i});
+                  return out;
+                }};
+  auto model = make_policy(text.vocab(), 320, 64, torch::kFloat, 2);
+  model.bias[text.tok.id('\n')] = 3.0;
+  model.bias[call_id] = 2.5;
+  model.bias[text.tok.pad_id()] = -1e4;
+  const agent_options o{.format = tokenizers::chat_format::plain, .max_turns = 8, .max_turn_tokens = 24,
+                        .max_episode_tokens = 300, .engine = {.max_sequences = 64}};
+  std::vector<std::uint64_t> seeds(8);
+  for (std::size_t i = 0; i < seeds.size(); ++i) seeds[i] = i + 1;
+  torch::NoGradGuard ng;
+  // A decode step's time: the same episodes with an instant tool.
+  toolbox<delay_tool> instant{{.threads = 64}, delay_tool{}};
+  torch::manual_seed(3);
+  const auto base = run_episodes(model, four_turns{}, seeds, 8, instant, io, o);
+  const double step_s = base.stats.at("seconds") / base.stats.at("engine_steps");
+  std::printf("engine: %.0f steps, %.2f ms per step, %.1f tool calls per episode\n", base.stats.at("engine_steps"),
+              1e3 * step_s, base.stats.at("tool/calls") / base.stats.at("episodes"));
+  for (const double k : {1.0, 10.0}) {
+    toolbox<delay_tool> tools{{.threads = 64},
+                              delay_tool{std::chrono::microseconds(static_cast<std::int64_t>(k * step_s * 1e6))}};
+    double eps[2];
+    for (int lock = 0; lock < 2; ++lock) {
+      auto ol = o;
+      ol.lockstep = lock == 1;
+      torch::manual_seed(3);
+      const auto out = run_episodes(model, four_turns{}, seeds, 8, tools, io, ol);
+      eps[lock] = out.stats.at("episodes_per_second");
+      std::printf("delay %4.1f ms (%2.0fx a step), %s: %.1f episodes/s (%.0f calls, %.2f s)\n", 1e3 * k * step_s, k,
+                  lock ? "lockstep  " : "overlapped", eps[lock], out.stats.at("tool/calls"), out.stats.at("seconds"));
+    }
+    std::printf("  overlapped / lockstep = %.2fx\n", eps[0] / eps[1]);
+    CHECK(eps[0] > eps[1]);
+  }
 }
