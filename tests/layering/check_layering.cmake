@@ -24,6 +24,7 @@ set(UNIRL_LAYERS
   "train"                       # optimizers, checkpoints, guards, metrics, supervised training
   "envs rewards data"           # environments, rewards, data sets
   "algorithms parallel joint"   # RL algorithms, parallelism strategies, compositions of trainers
+  "agents"                      # multi-turn language agents: tools, trajectories, rollouts and GRPO over episodes
   "top"                         # trainer.hpp and the umbrella headers
   "recipes")                    # runnable recipes over everything
 # algorithms/ and rollout/ never include these (concrete types): only their concepts.

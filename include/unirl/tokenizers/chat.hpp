@@ -9,6 +9,20 @@
 /// | `llama3`  | `<\|begin_of_text\|>` (when there are messages) then `<\|start_header_id\|>{role}<\|end_header_id\|>\n\n{content, trimmed}<\|eot_id\|>` per message; prompt `<\|start_header_id\|>assistant<\|end_header_id\|>\n\n` (Llama-3's template) |
 /// | `plain`   | `{Role}: {content}\n\n` per message (role capitalised); prompt `Assistant:`                  |
 ///
+/// Tool turns (multi-turn agents, agents/): a message of role `tool` is a tool's reply. In
+/// `chatml` / `qwen2_5` it renders as Qwen2.5's (Hermes) template does — consecutive replies in
+/// one user turn, each `\n<tool_response>\n{content}\n</tool_response>` —, in `llama3` as Llama
+/// 3.1's `ipython` role (`<|start_header_id|>ipython<|end_header_id|>\n\n{content}<|eot_id|>`; a
+/// message of role `ipython` renders the same), in `plain` as `Tool: {content}\n\n`. An
+/// assistant's tool call is its content as the model wrote it (`<tool_call>\n{"name": ...,
+/// "arguments": {...}}\n</tool_call>`, `tool_call_text`). With `tools` (one JSON object each,
+/// `{"type": "function", "function": {"name", "description", "parameters"}}`), `chatml` /
+/// `qwen2_5` open with Qwen3's / Qwen2.5's system message listing them in `<tools></tools>` (Jinja's
+/// `tojson`, `to_json_text`: Python's separators; object keys in nlohmann's sorted order, where
+/// Jinja keeps the given order). `render_continuation` is the text between an assistant turn and
+/// the next generation prompt, so a trajectory appends exactly what the whole conversation's
+/// rendering holds there.
+///
 /// ```cpp
 /// using namespace unirl::tokenizers;
 /// auto text = apply_chat_template(chat_format::chatml, {{"user", "2+2?"}});
@@ -17,9 +31,12 @@
 /// ```
 #include <cstdint>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <string_view>
 #include <vector>
+
+#include <nlohmann/json.hpp>
 
 #include <unirl/tokenizers/unicode.hpp>
 
@@ -57,35 +74,150 @@ inline std::string trim_space(std::string_view s) {
 }
 }  // namespace detail
 
-/// The prompt text of `messages` in format `f`; with `add_generation_prompt` it ends where the
-/// assistant's reply starts.
-inline std::string apply_chat_template(chat_format f, const std::vector<chat_message>& messages,
-                                       bool add_generation_prompt = true) {
+/// Jinja's `tojson` of `j` (Python's `json.dumps(j, ensure_ascii=False)`): `", "` and `": "`
+/// separators, non-ASCII text kept (invalid UTF-8 replaced by U+FFFD), object keys in `j`'s
+/// order (sorted, for `nlohmann::json`).
+inline std::string to_json_text(const nlohmann::json& j) {
+  switch (j.type()) {
+    case nlohmann::json::value_t::object: {
+      std::string out = "{";
+      bool first = true;
+      for (const auto& [k, v] : j.items()) {
+        if (!first) out += ", ";
+        first = false;
+        out += nlohmann::json(k).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+        out += ": " + to_json_text(v);
+      }
+      return out + "}";
+    }
+    case nlohmann::json::value_t::array: {
+      std::string out = "[";
+      for (std::size_t i = 0; i < j.size(); ++i) out += (i ? ", " : "") + to_json_text(j[i]);
+      return out + "]";
+    }
+    default: return j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+  }
+}
+
+/// A tool call as Qwen2.5's template renders it in an assistant turn (and as a policy is taught
+/// to write it): `<tool_call>\n{"name": "NAME", "arguments": ARGS}\n</tool_call>`.
+inline std::string tool_call_text(const std::string& name, const nlohmann::json& arguments) {
+  return "<tool_call>\n{\"name\": " + to_json_text(nlohmann::json(name)) + ", \"arguments\": " +
+         to_json_text(arguments) + "}\n</tool_call>";
+}
+
+namespace detail {
+// Qwen's system block with tools: `system` then a blank line, or the tools alone when `system` is empty.
+inline std::string qwen_tools_system(const std::string& system, const std::vector<nlohmann::json>& tools) {
+  std::string out = "<|im_start|>system\n" + (system.empty() ? std::string() : system + "\n\n") +
+                    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are "
+                    "provided with function signatures within <tools></tools> XML tags:\n<tools>";
+  for (const auto& t : tools) out += "\n" + to_json_text(t);
+  out += "\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
+         "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
+         "<args-json-object>}\n</tool_call><|im_end|>\n";
+  return out;
+}
+inline bool is_tool_role(const std::string& role) { return role == "tool" || role == "ipython"; }
+
+// The messages [begin, end) of `m` without the format's opening (system block, <|begin_of_text|>).
+inline std::string render_messages(chat_format f, const std::vector<chat_message>& m, std::size_t begin) {
   std::string out;
+  for (std::size_t i = begin; i < m.size(); ++i) {
+    const auto& msg = m[i];
+    switch (f) {
+      case chat_format::qwen2_5:
+      case chat_format::chatml:
+        if (is_tool_role(msg.role)) {
+          if (i == begin || !is_tool_role(m[i - 1].role)) out += "<|im_start|>user";
+          out += "\n<tool_response>\n" + msg.content + "\n</tool_response>";
+          if (i + 1 == m.size() || !is_tool_role(m[i + 1].role)) out += "<|im_end|>\n";
+        } else {
+          out += "<|im_start|>" + msg.role + "\n" + msg.content + "<|im_end|>\n";
+        }
+        break;
+      case chat_format::llama3:
+        out += "<|start_header_id|>" + (is_tool_role(msg.role) ? std::string("ipython") : msg.role) +
+               "<|end_header_id|>\n\n" + detail::trim_space(msg.content) + "<|eot_id|>";
+        break;
+      case chat_format::plain: {
+        std::string role = msg.role;
+        if (!role.empty() && role[0] >= 'a' && role[0] <= 'z') role[0] = static_cast<char>(role[0] - 'a' + 'A');
+        out += role + ": " + msg.content + "\n\n";
+        break;
+      }
+    }
+  }
+  return out;
+}
+inline std::string generation_prompt(chat_format f) {
   switch (f) {
     case chat_format::qwen2_5:
-      if (messages.empty() || messages.front().role != "system")
-        out += "<|im_start|>system\n" + std::string(qwen2_5_default_system) + "<|im_end|>\n";
-      [[fallthrough]];
+    case chat_format::chatml: return "<|im_start|>assistant\n";
+    case chat_format::llama3: return "<|start_header_id|>assistant<|end_header_id|>\n\n";
+    case chat_format::plain: return "Assistant:";
+  }
+  return {};
+}
+}  // namespace detail
+
+/// The prompt text of `messages` in format `f`; with `add_generation_prompt` it ends where the
+/// assistant's reply starts. `tools` (JSON objects, see the file comment) are listed in the
+/// system message of `chatml` / `qwen2_5` (the other formats take none: an error).
+inline std::string apply_chat_template(chat_format f, const std::vector<chat_message>& messages,
+                                       bool add_generation_prompt = true,
+                                       const std::vector<nlohmann::json>& tools = {}) {
+  std::string out;
+  std::size_t begin = 0;
+  switch (f) {
+    case chat_format::qwen2_5:
     case chat_format::chatml:
-      for (const auto& m : messages) out += "<|im_start|>" + m.role + "\n" + m.content + "<|im_end|>\n";
-      if (add_generation_prompt) out += "<|im_start|>assistant\n";
+      if (!tools.empty()) {
+        const bool own = !messages.empty() && messages.front().role == "system";
+        // Qwen2.5 falls back to its default system message; Qwen3's (chatml) lists the tools alone.
+        const std::string fallback = f == chat_format::qwen2_5 ? std::string(qwen2_5_default_system) : std::string();
+        out += detail::qwen_tools_system(own ? messages.front().content : fallback, tools);
+        begin = own ? 1 : 0;
+      } else if (f == chat_format::qwen2_5 && (messages.empty() || messages.front().role != "system")) {
+        out += "<|im_start|>system\n" + std::string(qwen2_5_default_system) + "<|im_end|>\n";
+      }
       break;
     case chat_format::llama3:
       if (!messages.empty()) out += "<|begin_of_text|>";
-      for (const auto& m : messages)
-        out += "<|start_header_id|>" + m.role + "<|end_header_id|>\n\n" + detail::trim_space(m.content) + "<|eot_id|>";
-      if (add_generation_prompt) out += "<|start_header_id|>assistant<|end_header_id|>\n\n";
       break;
-    case chat_format::plain:
-      for (const auto& m : messages) {
-        std::string role = m.role;
-        if (!role.empty() && role[0] >= 'a' && role[0] <= 'z') role[0] = static_cast<char>(role[0] - 'a' + 'A');
-        out += role + ": " + m.content + "\n\n";
-      }
-      if (add_generation_prompt) out += "Assistant:";
-      break;
+    case chat_format::plain: break;
   }
+  if (!tools.empty() && f != chat_format::chatml && f != chat_format::qwen2_5)
+    throw std::invalid_argument("apply_chat_template: tools are listed by the chatml and qwen2_5 formats only; "
+                                "expected no tools for this format");
+  out += detail::render_messages(f, messages, begin);
+  if (add_generation_prompt) out += detail::generation_prompt(f);
+  return out;
+}
+
+/// What ends an assistant turn in format `f` (`<|im_end|>`, `<|eot_id|>`, `"\n\n"`): the stop
+/// string of a multi-turn rollout, and the text `render_continuation` starts with.
+inline std::string assistant_turn_end(chat_format f) {
+  switch (f) {
+    case chat_format::qwen2_5:
+    case chat_format::chatml: return "<|im_end|>\n";
+    case chat_format::llama3: return "<|eot_id|>";
+    case chat_format::plain: return "\n\n";
+  }
+  return {};
+}
+
+/// The text that follows an assistant turn's content up to the next generation prompt, with
+/// `next` (tool replies, a user message) in between: what `apply_chat_template` renders there
+/// for the whole conversation. A multi-turn rollout tokenizes it once and appends it.
+/// ```cpp
+/// render_continuation(chat_format::qwen2_5, {{"tool", "42"}});
+/// // "<|im_end|>\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+/// ```
+inline std::string render_continuation(chat_format f, const std::vector<chat_message>& next,
+                                       bool add_generation_prompt = true) {
+  std::string out = assistant_turn_end(f) + detail::render_messages(f, next, 0);
+  if (add_generation_prompt) out += detail::generation_prompt(f);
   return out;
 }
 

@@ -1,0 +1,245 @@
+#pragma once
+/// \file episode_grpo.hpp
+/// The GRPO family over multi-turn episodes: a group is G episodes of one task (the layout
+/// `run_episodes` returns), each episode's reward is the sum of its turn rewards, and the loss is
+/// `algo::grpo_loss` on the policy's tokens only — tool replies, observations and template
+/// markers are attended but never trained. Normalisation per token (`agg = token_mean`) or per
+/// episode (`agg = seq_mean_token_mean`); the KL to a reference, clip-higher and the dual clip
+/// apply unchanged (they are `grpo_options`). The update runs with the library's optimizer
+/// (`train::optimizer`) and gradient clipping (`train::clip_grad_norm`).
+///
+/// ```cpp
+/// unirl::agents::episode_grpo<unirl::models::gpt> learner{model, {.algorithm = {.clip_high = 0.28,
+///     .agg = unirl::algo::loss_agg::token_mean}, .optim = {.lr = 1e-3}}};
+/// auto out = unirl::agents::run_episodes(model, env, seeds, 8, tools, text, agent);
+/// auto stats = learner.step(out.episodes, 8, pad_id);   // {"loss": ..., "ratio_mean": ..., ...}
+/// ```
+#include <algorithm>
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include <boost/hana.hpp>
+#include <torch/torch.h>
+
+#include <unirl/agents/trajectory.hpp>
+#include <unirl/algorithms/estimators.hpp>
+#include <unirl/algorithms/grpo.hpp>
+#include <unirl/concepts/causal_lm.hpp>
+#include <unirl/core/error.hpp>
+#include <unirl/core/options.hpp>
+#include <unirl/core/stats.hpp>
+#include <unirl/rollout/token_logprob.hpp>
+#include <unirl/train/clip.hpp>
+#include <unirl/train/optimizer.hpp>
+#include <unirl/train/sft.hpp>
+
+namespace unirl::agents {
+
+/// Episodes as one right-padded batch: position t of `ids` predicts token t+1, so the per-token
+/// tensors have L-1 columns and column t is token t+1's.
+struct episode_batch {
+  torch::Tensor ids;          // (B, L) int64, right-padded with pad_id
+  torch::Tensor mask;         // (B, L) float, 1 = real token (attended)
+  torch::Tensor policy_mask;  // (B, L-1) float, 1 where token t+1 is the policy's (trained)
+  torch::Tensor old_logp;     // (B, L-1) float64, behaviour log-probs of those tokens (0 elsewhere)
+  torch::Tensor rewards;      // (B,) float64, each episode's reward
+  std::int64_t size() const { return ids.defined() ? ids.size(0) : 0; }
+};
+
+/// Lays `episodes` out as an `episode_batch` (the trajectory's tokens exactly, none re-encoded).
+inline episode_batch make_episode_batch(const std::vector<trajectory>& episodes, std::int64_t pad_id) {
+  UNIRL_CHECK(!episodes.empty(), "make_episode_batch: no episodes");
+  std::size_t L = 2;
+  for (std::size_t i = 0; i < episodes.size(); ++i) {
+    const auto& t = episodes[i];
+    UNIRL_CHECK(t.policy.size() == t.tokens.size() && t.logp.size() == t.tokens.size(), "make_episode_batch: episode ",
+                i, " has ", t.tokens.size(), " tokens, ", t.policy.size(), " mask entries and ", t.logp.size(),
+                " log-probs; expected as many");
+    UNIRL_CHECK(t.tokens.empty() || t.policy.front() == 0, "make_episode_batch: episode ", i,
+                " starts with a policy token; expected a prompt first");
+    L = std::max(L, t.tokens.size());
+  }
+  const auto B = static_cast<std::int64_t>(episodes.size()), Li = static_cast<std::int64_t>(L);
+  std::vector<std::int64_t> ids(static_cast<std::size_t>(B * Li), pad_id);
+  std::vector<float> mask(static_cast<std::size_t>(B * Li), 0.f), pm(static_cast<std::size_t>(B * (Li - 1)), 0.f);
+  std::vector<double> lp(static_cast<std::size_t>(B * (Li - 1)), 0.0), r(static_cast<std::size_t>(B));
+  for (std::int64_t b = 0; b < B; ++b) {
+    const auto& t = episodes[static_cast<std::size_t>(b)];
+    r[static_cast<std::size_t>(b)] = t.reward;
+    for (std::size_t j = 0; j < t.tokens.size(); ++j) {
+      ids[static_cast<std::size_t>(b * Li) + j] = t.tokens[j];
+      mask[static_cast<std::size_t>(b * Li) + j] = 1.f;
+      if (j > 0 && t.policy[j]) {
+        pm[static_cast<std::size_t>(b * (Li - 1)) + j - 1] = 1.f;
+        lp[static_cast<std::size_t>(b * (Li - 1)) + j - 1] = t.logp[j];
+      }
+    }
+  }
+  return {torch::tensor(ids, torch::kInt64).view({B, Li}), torch::tensor(mask).view({B, Li}),
+          torch::tensor(pm).view({B, Li - 1}), torch::tensor(lp, torch::kDouble).view({B, Li - 1}),
+          torch::tensor(r, torch::kDouble)};
+}
+
+/// Episodes as an SFT batch (`train::sft_loss`): the cross-entropy of the policy tokens only, the
+/// supervised stage on demonstration trajectories (their `logp` is not read).
+/// ```cpp
+/// auto loss = unirl::train::sft_loss(model, unirl::agents::sft_batch_of(demos, pad_id));
+/// ```
+inline train::sft_batch sft_batch_of(const std::vector<trajectory>& episodes, std::int64_t pad_id) {
+  auto b = make_episode_batch(episodes, pad_id);
+  return {b.ids, b.mask, b.policy_mask};
+}
+
+/// Log-probs (and entropies) of tokens 1..L-1 of `b` under `model` at `temperature`: (B, L-1) each.
+template <CausalLM M>
+std::pair<torch::Tensor, torch::Tensor> episode_logprob(const M& model, const episode_batch& b, double temperature,
+                                                        bool with_entropy = true) {
+  torch::Device dev = b.ids.device();
+  if constexpr (requires { { model.device() } -> std::convertible_to<torch::Device>; }) dev = model.device();
+  const auto L = b.ids.size(1);
+  const auto ids = b.ids.to(dev), mask = b.mask.to(dev);
+  const auto logits = model.logits(ids.slice(1, 0, L - 1), mask.slice(1, 0, L - 1));
+  return rollout::token_logprob(logits, ids.slice(1, 1, L), temperature, with_entropy);
+}
+
+/// Options of `episode_grpo`.
+struct episode_grpo_options {
+  algo::grpo_options algorithm{};  // clip, KL, agg (token_mean: per token; seq_mean_token_mean: per episode), advantage
+  train::optimizer_options optim{.lr = 1e-3};
+  train::clip_options clip{.max_grad_norm = 1.0};
+  std::int64_t epochs = 1;         // passes over the episodes per step
+  std::int64_t minibatches = 1;    // per pass (whole groups each)
+
+  void validate(const std::string& p) const {
+    options::require(epochs >= 1, p + "epochs", epochs, ">= 1");
+    options::require(minibatches >= 1, p + "minibatches", minibatches, ">= 1");
+    options::require(algorithm.advantage != algo::advantage_kind::reinforce_pp, p + "algorithm.advantage",
+                     std::string("reinforce_pp"), "group, dr_grpo or rloo (an outcome estimator over episodes)");
+  }
+};
+
+}  // namespace unirl::agents
+
+BOOST_HANA_ADAPT_STRUCT(unirl::agents::episode_grpo_options, algorithm, optim, clip, epochs, minibatches);
+
+namespace unirl::agents {
+
+/// GRPO over episodes (see the file comment) for the policy `model` (trained in place); a
+/// `reference` (same architecture) is needed when `algorithm.kl_coef > 0`.
+template <CausalLM M>
+class episode_grpo {
+ public:
+  using options = episode_grpo_options;
+
+  episode_grpo(M& model, options o, const M* reference = nullptr)
+      : model_(model), o_((unirl::options::validate(o), o)), ref_(reference),
+        optim_(model.named_parameters(), o_.optim) {
+    UNIRL_CHECK(o_.algorithm.kl_coef == 0.0 || ref_ != nullptr, "episode_grpo: algorithm.kl_coef = ",
+                o_.algorithm.kl_coef, " needs a reference model; pass one or set kl_coef = 0");
+  }
+
+  const options& opts() const { return o_; }
+  train::optimizer& optimizer() { return optim_; }
+
+  /// Per-episode advantages of `rewards` ((B,), groups of `group` contiguous episodes).
+  torch::Tensor advantages(const torch::Tensor& rewards, std::int64_t group) const {
+    const auto& a = o_.algorithm;
+    switch (a.advantage) {
+      case algo::advantage_kind::dr_grpo: return algo::estimate<exec::automatic>(algo::dr_grpo{}, rewards, group);
+      case algo::advantage_kind::rloo: return algo::estimate<exec::automatic>(algo::rloo{}, rewards, group);
+      default:
+        return algo::estimate<exec::automatic>(
+            algo::group_normalized{{.unbiased_std = a.unbiased_std, .eps = a.adv_eps}}, rewards, group);
+    }
+  }
+
+  /// The loss of `b` with per-episode advantages `adv` ((B,)) and pi_old `old_logp` ((B, L-1)).
+  loss_terms loss(const episode_batch& b, const torch::Tensor& adv, const torch::Tensor& old_logp) const {
+    const auto& a = o_.algorithm;
+    auto [logp, ent] = episode_logprob(model_, b, a.sampling.temperature, true);
+    const auto dev = logp.device();
+    const auto pm = b.policy_mask.to(dev);
+    torch::Tensor ref;
+    if (ref_ != nullptr && a.kl_coef > 0.0) {
+      torch::NoGradGuard ng;
+      ref = episode_logprob(*ref_, b, a.sampling.temperature, false).first;
+    }
+    auto ao = a;
+    if (ao.max_len == 0) ao.max_len = std::max<std::int64_t>(1, pm.size(1));
+    return algo::grpo_loss(ao, {.logp = logp, .entropy = ent, .old_logp = old_logp.to(dev, logp.scalar_type()),
+                                .ref_logp = ref, .advantages = adv.to(dev, logp.scalar_type()).unsqueeze(1) * pm,
+                                .mask = pm});
+  }
+
+  /// One step on `episodes` (groups of `group` contiguous episodes of one task): advantages,
+  /// then `epochs` x `minibatches` updates. Returns the figures (means over the updates).
+  std::map<std::string, double> step(const std::vector<trajectory>& episodes, std::int64_t group, std::int64_t pad_id) {
+    const auto B = static_cast<std::int64_t>(episodes.size());
+    UNIRL_CHECK(group >= 1 && B % group == 0, "episode_grpo::step: ", B, " episodes are not groups of ", group);
+    const auto all = make_episode_batch(episodes, pad_id);
+    const auto adv = advantages(all.rewards, group);
+    model_.train(true);
+    std::map<std::string, double> s;
+    const auto& a = o_.algorithm;
+    // pi_old at the update's geometry (ratio exactly 1 on the first update), or the sampler's.
+    torch::Tensor old = all.old_logp;
+    if (a.recompute_old_logp) {
+      torch::NoGradGuard ng;
+      old = episode_logprob(model_, all, a.sampling.temperature, false).first.to(torch::kCPU, torch::kDouble) *
+            all.policy_mask.to(torch::kDouble);
+      s["sampler_logp_max_diff"] = static_cast<double>(scalar_stat(((old - all.old_logp) * all.policy_mask).abs().max()));
+    }
+    const auto groups = B / group;
+    const auto mbs = std::min(o_.minibatches, groups);
+    std::int64_t updates = 0;
+    for (std::int64_t ep = 0; ep < o_.epochs; ++ep) {
+      const auto perm = torch::randperm(groups, torch::kInt64);
+      for (std::int64_t m = 0; m < mbs; ++m) {
+        const auto lo = m * groups / mbs, hi = (m + 1) * groups / mbs;
+        std::vector<std::int64_t> rows;
+        for (std::int64_t g = lo; g < hi; ++g)
+          for (std::int64_t k = 0; k < group; ++k) rows.push_back(perm[g].item<std::int64_t>() * group + k);
+        const auto idx = torch::tensor(rows, torch::kInt64);
+        const episode_batch mb{all.ids.index_select(0, idx), all.mask.index_select(0, idx),
+                               all.policy_mask.index_select(0, idx), all.old_logp.index_select(0, idx),
+                               all.rewards.index_select(0, idx)};
+        const auto terms = loss(mb, adv.index_select(0, idx), old.index_select(0, idx));
+        optim_.zero_grad();
+        terms.total.backward();
+        const double norm = train::clip_grad_norm(model_.parameters(), o_.clip.max_grad_norm);
+        if (!std::isfinite(norm)) {
+          ++s["skipped_updates"];
+          continue;
+        }
+        optim_.step();
+        ++updates;
+        s["loss"] += static_cast<double>(scalar_stat(terms.total));
+        s["policy_loss"] += static_cast<double>(terms.policy);
+        s["kl"] += static_cast<double>(terms.kl);
+        s["entropy"] += static_cast<double>(terms.entropy);
+        s["ratio_mean"] += static_cast<double>(terms.ratio_mean);
+        s["clip_fraction"] += static_cast<double>(terms.clip_fraction);
+        s["grad_norm"] += norm;
+      }
+    }
+    for (const auto* k : {"loss", "policy_loss", "kl", "entropy", "ratio_mean", "clip_fraction", "grad_norm"})
+      if (updates > 0) s[k] /= static_cast<double>(updates);
+    s["updates"] = static_cast<double>(updates);
+    s["reward_mean"] = all.rewards.mean().item<double>();
+    s["policy_tokens"] = all.policy_mask.sum().item<double>();
+    model_.train(false);
+    return s;
+  }
+
+ private:
+  M& model_;
+  options o_;
+  const M* ref_;
+  train::optimizer optim_;
+};
+
+}  // namespace unirl::agents
+
+
