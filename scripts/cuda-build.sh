@@ -52,15 +52,11 @@ if [ -z "$dir" ]; then
   echo "cuda-build: give the root's directory (DIR or UNIRL_CUDA_ROOT); it is kept as a cache" >&2; exit 2
 fi
 case "$jobs" in ''|*[!0-9]*|0) echo "cuda-build: -j '$jobs': expected a positive integer" >&2; exit 2 ;; esac
-if [ "$(id -u)" -ne 0 ]; then echo "cuda-build: needs root (debootstrap, chroot, mount)" >&2; exit 2; fi
-for tool in debootstrap chroot mount git; do
-  command -v "$tool" >/dev/null || { echo "cuda-build: '$tool' not found (apt-get install debootstrap git)" >&2; exit 2; }
-done
-
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 tag=cuda-build
 # shellcheck source=scripts/debian-root.sh
 . "$repo/scripts/debian-root.sh"
+require_root_tools
 git -C "$repo" rev-parse --git-dir >/dev/null 2>&1 || { echo "cuda-build: $repo is not a git repository" >&2; exit 2; }
 mirror="${mirror:-$(host_mirror)}"
 mirror="${mirror%/}"

@@ -2,6 +2,15 @@
 # made with debootstrap, the mounts a build inside it needs, a clean environment to run in it, and
 # the repository copied into it. The caller sets `dir` (the root) and `tag` (its messages' prefix).
 
+# Exits unless run as root with the tools that make and enter a root.
+require_root_tools() {
+  if [ "$(id -u)" -ne 0 ]; then echo "$tag: needs root (debootstrap, chroot, mount)" >&2; exit 2; fi
+  local tool
+  for tool in debootstrap chroot mount git; do
+    command -v "$tool" >/dev/null || { echo "$tag: '$tool' not found (apt-get install debootstrap git)" >&2; exit 2; }
+  done
+}
+
 # The host's first Debian mirror (one-line .list or deb822 .sources), security archives aside.
 host_mirror() {
   local m

@@ -52,15 +52,11 @@ case "$only" in
   ""|quickstart|test|setup) ;;
   *) echo "debian-check: --only '$only': expected quickstart, test or setup" >&2; exit 2 ;;
 esac
-if [ "$(id -u)" -ne 0 ]; then echo "debian-check: needs root (debootstrap, chroot, mount)" >&2; exit 2; fi
-for tool in debootstrap chroot mount git; do
-  command -v "$tool" >/dev/null || { echo "debian-check: '$tool' not found (apt-get install debootstrap git)" >&2; exit 2; }
-done
-
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 tag=debian-check
 # shellcheck source=scripts/debian-root.sh
 . "$repo/scripts/debian-root.sh"
+require_root_tools
 git -C "$repo" rev-parse --git-dir >/dev/null 2>&1 ||
   { echo "debian-check: $repo is not a git repository" >&2; exit 2; }
 
