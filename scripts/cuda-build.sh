@@ -20,8 +20,11 @@
 #     --tests REGEX    run only the CTest entries matching REGEX (default: all but `full`)
 #     --no-tests       build only
 #     -j N             build and test jobs (default 1: one nvcc or g++ with LibTorch takes GBs)
+#     --slot NAME      the repository's copy and build directory in the root: /root/NAME and
+#                      /root/NAME-build (default unirl), so that two runs can share one root
 #
-# Logs: DIR/unirl-cuda/{setup,configure,build,test}.log. Build directory: DIR/root/unirl-build.
+# Logs: DIR/unirl-cuda/{setup,configure,build,test}.log (DIR/NAME-cuda/ for another slot).
+# Build directory: DIR/root/unirl-build.
 set -euo pipefail
 
 worktree=0
@@ -30,6 +33,7 @@ targets=""
 tests_regex=""
 run_tests=1
 jobs=1
+slot=unirl
 dir="${UNIRL_CUDA_ROOT:-}"
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -41,6 +45,8 @@ while [ $# -gt 0 ]; do
     --tests) tests_regex="$2"; shift 2 ;;
     --tests=*) tests_regex="${1#*=}"; shift ;;
     --no-tests) run_tests=0; shift ;;
+    --slot) slot="$2"; shift 2 ;;
+    --slot=*) slot="${1#*=}"; shift ;;
     -j) jobs="$2"; shift 2 ;;
     -j*) jobs="${1#-j}"; shift ;;
     -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
@@ -51,6 +57,7 @@ done
 if [ -z "$dir" ]; then
   echo "cuda-build: give the root's directory (DIR or UNIRL_CUDA_ROOT); it is kept as a cache" >&2; exit 2
 fi
+case "$slot" in ''|*[!A-Za-z0-9_-]*) echo "cuda-build: --slot '$slot': expected letters, digits, - or _" >&2; exit 2 ;; esac
 case "$jobs" in ''|*[!0-9]*|0) echo "cuda-build: -j '$jobs': expected a positive integer" >&2; exit 2 ;; esac
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 tag=cuda-build
@@ -63,7 +70,7 @@ mirror="${mirror%/}"
 
 mkdir -p "$dir"
 dir="$(cd "$dir" && pwd)"
-logs="$dir/unirl-cuda"
+logs="$dir/$slot-cuda"
 trap unmount_all EXIT
 trap "exit 143" TERM INT
 
@@ -85,17 +92,17 @@ rm -f "$dir/etc/apt/sources.list.d/debian.sources"
 prepare_root
 
 echo "cuda-build: copying the repository"
-dest="$dir/root/unirl"
+dest="$dir/root/$slot"
 what="$(copy_repo "$repo" "$dest" "$worktree" 0)"
 echo "cuda-build: installing the dependencies (CUDA LibTorch, CUDA toolkit, NCCL; large the first time)"
 # nvidia-cudnn only downloads cuDNN from NVIDIA when its licence question is agreed to; declined,
 # it installs nothing, and scripts/cudnn-stand-in.sh provides the libcudnn.so.9 LibTorch links to.
 echo "nvidia-cudnn nvidia-cudnn/question select I Decline" | in_root debconf-set-selections
-{ in_root apt-get update -q && in_root apt-get install -y -q git && in_root bash /root/unirl/scripts/install-deps.sh --cuda &&
-  in_root bash /root/unirl/scripts/cudnn-stand-in.sh; } \
+{ in_root apt-get update -q && in_root apt-get install -y -q git && in_root bash "/root/$slot/scripts/install-deps.sh" --cuda &&
+  in_root bash "/root/$slot/scripts/cudnn-stand-in.sh"; } \
   >> "$logs/setup.log" 2>&1 || { tail -n 20 "$logs/setup.log"; echo "cuda-build: installing failed" >&2; exit 1; }
 setup_s=$(( $(date +%s) - t0 ))
-echo "cuda-build: $what in /root/unirl; setup ${setup_s} s"
+echo "cuda-build: $what in /root/$slot; setup ${setup_s} s"
 
 step() {  # step NAME COMMAND: runs COMMAND in the root, logs it, records its exit status and time
   local name="$1" start rc
@@ -110,9 +117,9 @@ step() {  # step NAME COMMAND: runs COMMAND in the root, logs it, records its ex
   return $rc
 }
 
-build=/root/unirl-build
+build="/root/$slot-build"
 configure_rc=1; build_rc=skipped; test_rc=skipped; configure_s=0; build_s=0; test_s=0
-if step configure "cmake -S /root/unirl -B $build -G Ninja -DCMAKE_BUILD_TYPE=Release -DUNIRL_BUILD_TESTS=ON \
+if step configure "cmake -S /root/$slot -B $build -G Ninja -DCMAKE_BUILD_TYPE=Release -DUNIRL_BUILD_TESTS=ON \
       -DUNIRL_BUILD_EXAMPLES=ON -DUNIRL_ENABLE_CUDA=ON -DUNIRL_ENABLE_NCCL=ON -DCMAKE_CUDA_ARCHITECTURES='80;90' \
       -DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DCMAKE_CUDA_COMPILER_LAUNCHER=ccache"; then
   target_args=""

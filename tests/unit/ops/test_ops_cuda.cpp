@@ -17,15 +17,6 @@
 
 #include "paged_fixture.hpp"
 
-#if defined(UNIRL_WITH_NCCL)
-#include <unirl/parallel/data_parallel.hpp>
-#include <unirl/parallel/zero.hpp>
-// The NCCL backend (UNIRL_ENABLE_NCCL) compiles against this LibTorch: every member of the
-// data-parallel and ZeRO strategies over it is instantiated here.
-template class unirl::parallel::data_parallel<unirl::parallel::nccl>;
-template class unirl::parallel::zero<unirl::parallel::nccl>;
-#endif
-
 namespace {
 #define UNIRL_REQUIRE_CUDA_DEVICE()                                                                       \
   if (!torch::cuda::is_available())                                                                       \
