@@ -9,7 +9,9 @@
 # repository in it and, inside it with chroot, configures with UNIRL_ENABLE_CUDA=ON, the NCCL
 # backend and CMAKE_CUDA_ARCHITECTURES "80;90", builds and runs `ctest -LE full`. The root is a
 # cache: a second run on the same DIR reuses it (and its build directory and ccache) and copies
-# the repository in again. Needs root, debootstrap and chroot; about 12 GB of disk.
+# the repository in again. Needs root, debootstrap and chroot, and disk: the root with its
+# packages installed is about 11 GB (the 6 GB downloaded are removed after installing), plus the
+# build (the CPU build's tree is about 2 GB).
 #
 #   sudo bash scripts/cuda-build.sh [options] DIR
 #     DIR              the root (made when it does not exist or is empty; reused when this script
@@ -99,7 +101,7 @@ echo "cuda-build: installing the dependencies (CUDA LibTorch, CUDA toolkit, NCCL
 # it installs nothing, and scripts/cudnn-stand-in.sh provides the libcudnn.so.9 LibTorch links to.
 echo "nvidia-cudnn nvidia-cudnn/question select I Decline" | in_root debconf-set-selections
 { in_root apt-get update -q && in_root apt-get install -y -q git && in_root bash "/root/$slot/scripts/install-deps.sh" --cuda &&
-  in_root bash "/root/$slot/scripts/cudnn-stand-in.sh"; } \
+  in_root bash "/root/$slot/scripts/cudnn-stand-in.sh" && in_root apt-get clean; } \
   >> "$logs/setup.log" 2>&1 || { tail -n 20 "$logs/setup.log"; echo "cuda-build: installing failed" >&2; exit 1; }
 setup_s=$(( $(date +%s) - t0 ))
 echo "cuda-build: $what in /root/$slot; setup ${setup_s} s"
