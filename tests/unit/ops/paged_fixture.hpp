@@ -12,13 +12,31 @@
 
 #include <unirl/concepts/causal_lm.hpp>
 #include <unirl/ops/attention.hpp>
+#include <unirl/ops/paged_attention.hpp>
 
 namespace unirl_test {
+
+// The model-side attention for the paged tests: the reference attention with the KV heads
+// repeated to the query heads.
+inline auto reference_attend(double scale, std::int64_t groups) {
+  return [scale, groups](auto& q4, auto& k4, auto& v4, auto& bias) {
+    return unirl::ops::attention<unirl::exec::reference>(q4, k4.repeat_interleave(groups, 1),
+                                                         v4.repeat_interleave(groups, 1), bias, scale);
+  };
+}
 
 struct paged_decode_case {
   torch::Tensor q, k_new, v_new, k_pool, v_pool;  // (S, H, D), (S, Hkv, D) x 2, (slots, Hkv, D) x 2
   unirl::paged_batch batch;
   double scale = 0;
+
+  // ops::paged_attention of this batch under Exec with the reference attention (every call
+  // writes the same new keys and values into the pools).
+  template <class Exec>
+  torch::Tensor run() {
+    return unirl::ops::paged_attention<Exec>(q, k_new, v_new, k_pool, v_pool, batch, scale,
+                                             reference_attend(scale, q.size(1) / k_new.size(1)));
+  }
 };
 
 inline paged_decode_case make_paged_decode_case(const std::vector<std::int64_t>& context, std::int64_t H,
@@ -53,15 +71,6 @@ inline paged_decode_case make_paged_decode_case(const std::vector<std::int64_t>&
   b.decode_bias = bias.view({S, 1, 1, C}).to(o.device());
   b.decode_context = context;
   return c;
-}
-
-// The model-side attention for the paged tests: the reference attention with the KV heads
-// repeated to the query heads.
-inline auto reference_attend(double scale, std::int64_t groups) {
-  return [scale, groups](auto& q4, auto& k4, auto& v4, auto& bias) {
-    return unirl::ops::attention<unirl::exec::reference>(q4, k4.repeat_interleave(groups, 1),
-                                                         v4.repeat_interleave(groups, 1), bias, scale);
-  };
 }
 
 }  // namespace unirl_test

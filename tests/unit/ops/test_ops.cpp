@@ -261,11 +261,8 @@ TEST_CASE("paged decode: the fused CPU loop equals the gathered reference, group
   for (auto dtype : {torch::kFloat64, torch::kFloat32}) {
     const double tol = dtype == torch::kFloat64 ? 1e-12 : 1e-5;
     auto c = unirl_test::make_paged_decode_case({1, 7, 20, 33, 3}, 4, 2, 16, 120, torch::dtype(dtype));
-    const auto attend = unirl_test::reference_attend(c.scale, 2);
-    const auto f = unirl::ops::paged_attention<unirl::exec::cpu>(c.q, c.k_new, c.v_new, c.k_pool, c.v_pool, c.batch,
-                                                                c.scale, attend);
-    const auto r = unirl::ops::paged_attention<unirl::exec::reference>(c.q, c.k_new, c.v_new, c.k_pool, c.v_pool,
-                                                                      c.batch, c.scale, attend);
+    const auto f = c.run<unirl::exec::cpu>();
+    const auto r = c.run<unirl::exec::reference>();
     INFO("dtype " << dtype);
     CHECK(max_diff(f, r) / r.abs().max().item<double>() < tol);
     // Sequence 0 attends to its one key alone: its output is that key's value.

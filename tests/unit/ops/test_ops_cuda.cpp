@@ -100,11 +100,8 @@ TEST_CASE("CUDA paged decode equals the gathered reference over the pool, groupe
     // Contexts from 1 to past one block of threads (256), 8 query heads on 2 KV heads.
     auto c = unirl_test::make_paged_decode_case({1, 5, 64, 300, 129, 2}, 8, 2, 64, 1200,
                                                 torch::dtype(dtype).device(torch::kCUDA));
-    const auto attend = unirl_test::reference_attend(c.scale, 4);
-    const auto k = unirl::ops::paged_attention<unirl::exec::cuda>(c.q, c.k_new, c.v_new, c.k_pool, c.v_pool, c.batch,
-                                                                  c.scale, attend);
-    const auto r = unirl::ops::paged_attention<unirl::exec::reference>(c.q, c.k_new, c.v_new, c.k_pool, c.v_pool,
-                                                                       c.batch, c.scale, attend);
+    const auto k = c.run<unirl::exec::cuda>();
+    const auto r = c.run<unirl::exec::reference>();
     INFO("dtype " << dtype);
     CHECK(rel_diff(k, r) < tolerance(dtype));
   }
@@ -201,14 +198,10 @@ TEST_CASE("CUDA op benchmarks against the measured HBM bandwidth and bf16 matmul
   {  // paged decode: 64 sequences of 2048 slots, 32 query heads on 8 KV heads of 128
     const std::int64_t S = 64, C = 2048, H = 32, Hkv = 8, D = 128;
     auto c = unirl_test::make_paged_decode_case(std::vector<std::int64_t>(S, C), H, Hkv, D, S * C + 1, f32);
-    const auto attend = unirl_test::reference_attend(c.scale, H / Hkv);
     const double bytes = 2.0 * static_cast<double>(S * C * Hkv * D) * 4;  // each sequence's keys and values once
     for (auto* which : {"cuda", "reference"}) {
       auto run = [&] {
-        return std::string(which) == "cuda" ? unirl::ops::paged_attention<unirl::exec::cuda>(
-                                                  c.q, c.k_new, c.v_new, c.k_pool, c.v_pool, c.batch, c.scale, attend)
-                                            : unirl::ops::paged_attention<unirl::exec::reference>(
-                                                  c.q, c.k_new, c.v_new, c.k_pool, c.v_pool, c.batch, c.scale, attend);
+        return std::string(which) == "cuda" ? c.run<unirl::exec::cuda>() : c.run<unirl::exec::reference>();
       };
       report(std::string("paged_decode_64x2048_h32_kv8_d128_") + which, seconds_per_call(run, 20), bytes, 0, hbm, bf16);
     }
