@@ -13,8 +13,12 @@
 #   USE_DISTRIBUTED  the c10d headers are installed (torch/csrc/distributed/c10d/ProcessGroup.hpp)
 #                    and libtorch_cpu exports c10d's process group (symbol text "c10d12ProcessGroup");
 #   USE_C10D_GLOO    additionally ProcessGroupGloo.hpp and Gloo's headers (gloo/config.h) are
-#                    installed and libtorch_cpu exports c10d::ProcessGroupGloo.
-# Both are cache variables (Torch_USE_DISTRIBUTED, Torch_USE_C10D_GLOO): set them to override.
+#                    installed and libtorch_cpu exports c10d::ProcessGroupGloo;
+#   USE_C10D_NCCL    a CUDA LibTorch (libtorch_cuda, Debian's libtorch-cuda-dev) whose
+#                    libtorch_cuda exports c10d::ProcessGroupNCCL, with NCCL's nccl.h installed.
+# They are cache variables (Torch_USE_DISTRIBUTED, Torch_USE_C10D_GLOO, Torch_USE_C10D_NCCL): set
+# them to override. A CUDA LibTorch's libtorch_cuda and libc10_cuda are linked without
+# --as-needed: they register the CUDA backend when loaded, and no symbol of theirs is named.
 include(FindPackageHandleStandardArgs)
 
 find_path(Torch_API_INCLUDE_DIR torch/torch.h PATH_SUFFIXES torch/csrc/api/include)
@@ -22,6 +26,8 @@ find_path(Torch_INCLUDE_DIR ATen/ATen.h)
 find_library(Torch_LIBRARY torch)
 find_library(Torch_CPU_LIBRARY torch_cpu)
 find_library(Torch_C10_LIBRARY c10)
+find_library(Torch_CUDA_LIBRARY torch_cuda)
+find_library(Torch_C10_CUDA_LIBRARY c10_cuda)
 
 if(Torch_API_INCLUDE_DIR AND EXISTS "${Torch_API_INCLUDE_DIR}/torch/version.h")
   file(STRINGS "${Torch_API_INCLUDE_DIR}/torch/version.h" _unirl_torch_ver
@@ -33,11 +39,16 @@ if(Torch_API_INCLUDE_DIR AND EXISTS "${Torch_API_INCLUDE_DIR}/torch/version.h")
   set(Torch_VERSION "${_unirl_torch_MAJOR}.${_unirl_torch_MINOR}.${_unirl_torch_PATCH}")
 endif()
 
-# Whether libtorch_cpu's symbol table holds `text` (mangled names, read as strings; cached).
+# Whether libtorch_cpu's (or the library `lib`'s) symbol table holds `text` (mangled names, read
+# as strings).
 function(_unirl_torch_exports text out)
   set(_found OFF)
-  if(Torch_CPU_LIBRARY AND EXISTS "${Torch_CPU_LIBRARY}")
-    file(STRINGS "${Torch_CPU_LIBRARY}" _hit REGEX "${text}" LIMIT_COUNT 1)
+  set(_lib "${Torch_CPU_LIBRARY}")
+  if(ARGC GREATER 2)
+    set(_lib "${ARGV2}")
+  endif()
+  if(_lib AND EXISTS "${_lib}")
+    file(STRINGS "${_lib}" _hit REGEX "${text}" LIMIT_COUNT 1)
     if(_hit)
       set(_found ON)
     endif()
@@ -64,6 +75,18 @@ if(NOT DEFINED Torch_USE_C10D_GLOO AND Torch_API_INCLUDE_DIR)
   set(Torch_USE_C10D_GLOO ${_unirl_gloo} CACHE BOOL "LibTorch was built with USE_C10D_GLOO (c10d's Gloo backend)")
 endif()
 
+if(NOT DEFINED Torch_USE_C10D_NCCL AND Torch_API_INCLUDE_DIR)
+  set(_unirl_nccl OFF)
+  if(Torch_USE_DISTRIBUTED AND Torch_CUDA_LIBRARY AND
+     EXISTS "${Torch_C10D_INCLUDE_DIR}/torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp")
+    find_path(Torch_NCCL_INCLUDE_DIR nccl.h)
+    if(Torch_NCCL_INCLUDE_DIR)
+      _unirl_torch_exports("c10d16ProcessGroupNCCL" _unirl_nccl "${Torch_CUDA_LIBRARY}")
+    endif()
+  endif()
+  set(Torch_USE_C10D_NCCL ${_unirl_nccl} CACHE BOOL "LibTorch was built with USE_C10D_NCCL (c10d's NCCL backend)")
+endif()
+
 find_package_handle_standard_args(Torch
   REQUIRED_VARS Torch_LIBRARY Torch_CPU_LIBRARY Torch_C10_LIBRARY Torch_INCLUDE_DIR Torch_API_INCLUDE_DIR
   VERSION_VAR Torch_VERSION)
@@ -75,12 +98,19 @@ if(Torch_FOUND AND NOT TARGET torch)
     IMPORTED_LOCATION "${Torch_LIBRARY}"
     INTERFACE_INCLUDE_DIRECTORIES "${Torch_INCLUDE_DIR};${Torch_API_INCLUDE_DIR}"
     INTERFACE_LINK_LIBRARIES "${Torch_CPU_LIBRARY};${Torch_C10_LIBRARY};Threads::Threads")
+  if(Torch_CUDA_LIBRARY AND Torch_C10_CUDA_LIBRARY)
+    set_property(TARGET torch APPEND PROPERTY INTERFACE_LINK_LIBRARIES
+                 "-Wl,--no-as-needed" "${Torch_CUDA_LIBRARY}" "${Torch_C10_CUDA_LIBRARY}")
+  endif()
   set(_unirl_torch_defs)
   if(Torch_USE_DISTRIBUTED)
     list(APPEND _unirl_torch_defs USE_DISTRIBUTED)
   endif()
   if(Torch_USE_C10D_GLOO)
     list(APPEND _unirl_torch_defs USE_C10D_GLOO)
+  endif()
+  if(Torch_USE_C10D_NCCL)
+    list(APPEND _unirl_torch_defs USE_C10D_NCCL)
   endif()
   if(_unirl_torch_defs)
     set_property(TARGET torch PROPERTY INTERFACE_COMPILE_DEFINITIONS "${_unirl_torch_defs}")

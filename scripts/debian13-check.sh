@@ -52,21 +52,15 @@ case "$only" in
   ""|quickstart|test|setup) ;;
   *) echo "debian-check: --only '$only': expected quickstart, test or setup" >&2; exit 2 ;;
 esac
-if [ "$(id -u)" -ne 0 ]; then echo "debian-check: needs root (debootstrap, chroot, mount)" >&2; exit 2; fi
-for tool in debootstrap chroot mount git; do
-  command -v "$tool" >/dev/null || { echo "debian-check: '$tool' not found (apt-get install debootstrap git)" >&2; exit 2; }
-done
-
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+tag=debian-check
+# shellcheck source=scripts/debian-root.sh
+. "$repo/scripts/debian-root.sh"
+require_root_tools
 git -C "$repo" rev-parse --git-dir >/dev/null 2>&1 ||
   { echo "debian-check: $repo is not a git repository" >&2; exit 2; }
 
-if [ -z "$mirror" ]; then
-  # The host's first Debian mirror (one-line .list or deb822 .sources), security archives aside.
-  mirror="$(cat /etc/apt/sources.list /etc/apt/sources.list.d/*.list /etc/apt/sources.list.d/*.sources 2>/dev/null |
-    grep -oE '(https?|file)://[^ ]+/debian/?( |$)' | grep -v -- '-security' | head -n 1 | tr -d ' ' || true)"
-  mirror="${mirror:-http://deb.debian.org/debian}"
-fi
+mirror="${mirror:-$(host_mirror)}"
 mirror="${mirror%/}"
 
 if [ -z "$dir" ]; then
@@ -76,24 +70,7 @@ mkdir -p "$dir"
 dir="$(cd "$dir" && pwd)"
 logs="$dir/unirl-check"
 
-mounted=()
-cleanup() {
-  local i
-  for ((i = ${#mounted[@]} - 1; i >= 0; i--)); do umount -l "${mounted[$i]}" 2>/dev/null || true; done
-}
-trap cleanup EXIT
-mount_in() {  # mount_in TYPE-ARGS... TARGET: mounts unless already mounted there
-  local target="${*: -1}"
-  mkdir -p "$target"
-  mountpoint -q "$target" && return 0
-  mount "$@" || return 1
-  mounted+=("$target")
-}
-in_root() {  # a clean login-like environment inside the root
-  chroot "$dir" /usr/bin/env -i HOME=/root PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
-    LANG=C.UTF-8 TERM="${TERM:-dumb}" DEBIAN_FRONTEND=noninteractive \
-    ${http_proxy:+http_proxy=$http_proxy} ${https_proxy:+https_proxy=$https_proxy} "$@"
-}
+trap unmount_all EXIT
 
 t0=$(date +%s)
 if [ "$reuse" -eq 1 ] && [ -x "$dir/usr/bin/apt-get" ]; then
@@ -110,42 +87,16 @@ else
     { tail -n 20 "$logs/setup.log"; echo "debian-check: debootstrap failed" >&2; exit 1; }
 fi
 
-# debootstrap made the device nodes; /proc, /sys (LibTorch reads the CPU topology there) and a
-# /dev/shm of its own are mounted for the run and unmounted on exit. Nothing of the host's is
-# bind-mounted.
-mount_in -t proc proc "$dir/proc"
-mount_in -t sysfs sysfs "$dir/sys" || echo "debian-check: could not mount /sys in the root (continuing)"
-mount_in -t tmpfs -o mode=1777 tmpfs "$dir/dev/shm" || true
-cp -L /etc/resolv.conf "$dir/etc/resolv.conf"
-# No services start inside the root.
-printf '#!/bin/sh\nexit 101\n' > "$dir/usr/sbin/policy-rc.d"
-chmod +x "$dir/usr/sbin/policy-rc.d"
+prepare_root
 
 echo "debian-check: installing git"
 { in_root apt-get update -q && in_root apt-get install -y -q git; } \
   >> "$logs/setup.log" 2>&1 || { tail -n 20 "$logs/setup.log"; echo "debian-check: apt-get failed" >&2; exit 1; }
 
 dest="$dir/root/unirl"
-if [ "$worktree" -eq 1 ]; then
-  # The working tree as it is now (uncommitted changes included), without ignored files; with
-  # --reuse, copied over the previous copy (its build directory is kept, and so are files
-  # deleted since).
-  echo "debian-check: copying the working tree of $repo"
-  mkdir -p "$dest"
-  (cd "$repo" && git ls-files -z --cached --others --exclude-standard |
-     while IFS= read -r -d '' f; do [ -e "$f" ] && printf '%s\0' "$f"; done |
-     tar --null -T - -cf -) | tar -xf - -C "$dest"
-  what="working tree of $(git -C "$repo" rev-parse --short HEAD) with uncommitted changes"
-else
-  # A clone of HEAD: what a user cloning the repository gets; uncommitted changes are left out.
-  echo "debian-check: cloning HEAD of $repo"
-  rm -rf "$dest.new"
-  git clone -q "$repo" "$dest.new"
-  if [ -d "$dest/build" ] && [ "$reuse" -eq 1 ]; then mv "$dest/build" "$dest.new/build"; fi
-  rm -rf "$dest"
-  mv "$dest.new" "$dest"
-  what="clone of HEAD $(git -C "$repo" rev-parse --short HEAD)"
-fi
+if [ "$worktree" -eq 1 ]; then echo "debian-check: copying the working tree of $repo"
+else echo "debian-check: cloning HEAD of $repo"; fi
+what="$(copy_repo "$repo" "$dest" "$worktree" "$reuse")"
 echo "debian-check: $what in /root/unirl; setup $(( $(date +%s) - t0 )) s"
 
 run_command() {  # run_command NAME SCRIPT: runs `bash SCRIPT` in /root/unirl, logs, records

@@ -2,14 +2,23 @@
 # Installs the Debian packages unirl needs to build, test and run its examples, by release:
 # Debian 12 (bookworm: LibTorch 1.13, Catch2 2) and Debian 13 (trixie: LibTorch 2.6, Catch2 3).
 # Idempotent: installs only what is missing; runs `apt-get update` only then.
+#   bash scripts/install-deps.sh          # the CPU LibTorch
+#   bash scripts/install-deps.sh --cuda   # Debian 13 with contrib and non-free: the CUDA LibTorch,
+#                                         # the CUDA toolkit and NCCL instead (scripts/cuda-build.sh)
 set -euo pipefail
+cuda=0
+case "${1:-}" in
+  "") ;;
+  --cuda) cuda=1 ;;
+  *) echo "unirl: install-deps.sh: unknown argument '$1' (expected nothing or --cuda)" >&2; exit 2 ;;
+esac
 codename=""
 if [ -r /etc/os-release ]; then codename="$(. /etc/os-release && echo "${VERSION_CODENAME:-}")"; fi
 
 # The same on both releases.
 packages=(
   g++ cmake ninja-build git pkg-config
-  libtorch-dev python3-torch libsleef-dev libgloo-dev
+  libsleef-dev
   libopenblas0-openmp                # LibTorch calls libblas.so.3: OpenBLAS (OpenMP), not the reference BLAS
   libeigen3-dev libboost-dev libbenchmark-dev
   nlohmann-json3-dev libyaml-cpp-dev libstb-dev zlib1g-dev
@@ -26,6 +35,21 @@ trixie_packages=(
   clang libclang-rt-19-dev           # clang 19 and its libFuzzer runtime
   python3-safetensors                # the official safetensors library: io.official_reads_unirl (Debian 12 has none)
 )
+# LibTorch: the CPU build, or (--cuda) the CUDA build, which replaces it (the two conflict).
+if [ "$cuda" -eq 1 ]; then
+  if [ "$codename" != trixie ]; then
+    echo "unirl: --cuda needs Debian 13 (trixie) with contrib and non-free, got '${codename:-unknown}'" >&2; exit 2
+  fi
+  packages+=(
+    libtorch-cuda-dev python3-torch-cuda   # LibTorch 2.6 built with CUDA 12 and NCCL (contrib)
+    libgloo-cuda-dev                       # Gloo as that LibTorch was built with it (replaces libgloo-dev)
+    nvidia-cuda-toolkit                    # nvcc 12.4 (non-free)
+    libnccl-dev                            # NCCL 2.22 (contrib)
+    ccache
+  )
+else
+  packages+=(libtorch-dev python3-torch libgloo-dev)
+fi
 case "$codename" in
   bookworm) packages+=("${bookworm_packages[@]}") ;;
   trixie) packages+=("${trixie_packages[@]}") ;;

@@ -31,7 +31,9 @@ struct reference {
 struct cpu {
   static backend select(const torch::Tensor&) { return backend::cpu; }
 };
-/// CUDA kernels where an op has them (needs the unirl::cuda target), else the reference.
+/// CUDA kernels where an op has them, else the reference. Needs the kernels built
+/// (`-DUNIRL_ENABLE_CUDA=ON`, the unirl::cuda target): without them an op called with
+/// `exec::cuda` does not compile (`cuda_kernels_built`), rather than run the reference unasked.
 struct cuda {
   static backend select(const torch::Tensor&) { return backend::cuda; }
 };
@@ -64,6 +66,14 @@ constexpr bool small_net_fits(std::int64_t max_width, std::int64_t parameters) {
   return max_width <= small_net_max_width && parameters <= small_net_max_parameters;
 }
 
+/// True when unirl was built with its CUDA kernels (`-DUNIRL_ENABLE_CUDA=ON` defines
+/// `UNIRL_WITH_CUDA_KERNELS`). `exec::automatic` runs the reference on CUDA tensors without them.
+#if defined(UNIRL_WITH_CUDA_KERNELS)
+inline constexpr bool cuda_kernels_built = true;
+#else
+inline constexpr bool cuda_kernels_built = false;
+#endif
+
 static_assert(ExecutionPolicy<reference>);
 static_assert(ExecutionPolicy<cpu>);
 static_assert(ExecutionPolicy<cuda>);
@@ -82,12 +92,16 @@ inline constexpr none_t none{};
 /// the policy selects `backend::cpu` and `t` is on the CPU, `cuda_impl()` when it selects
 /// `backend::cuda` and `t` is a CUDA tensor, `reference_impl()` otherwise — and whenever the op has
 /// no such implementation (`exec::none`). Every implementation returns the same type.
+/// `dispatch<exec::cuda>` does not compile in a build without the CUDA kernels.
 /// ```cpp
 /// return unirl::exec::dispatch<Exec>(logits, [&] { return ref(logits); }, [&] { return fused(logits); });
 /// ```
 template <ExecutionPolicy Exec, class Ref, class Cpu = none_t, class Cuda = none_t>
 std::invoke_result_t<Ref&> dispatch(const torch::Tensor& t, Ref&& reference_impl, Cpu&& cpu_impl = {},
                                     Cuda&& cuda_impl = {}) {
+  static_assert(!std::is_same_v<Exec, cuda> || cuda_kernels_built,
+                "unirl::exec::cuda needs unirl's CUDA kernels: configure with -DUNIRL_ENABLE_CUDA=ON "
+                "(nvcc and a CUDA LibTorch), or use exec::automatic, which picks by device");
   const backend b = Exec::select(t);
   if constexpr (!std::is_same_v<std::remove_cvref_t<Cpu>, none_t>)
     if (b == backend::cpu && t.device().is_cpu()) return cpu_impl();

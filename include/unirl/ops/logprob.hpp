@@ -239,11 +239,67 @@ logprob_result token_logprob(const torch::Tensor& logits, const torch::Tensor& t
 
 namespace detail {
 
+// The row work of the chunked LM head on LibTorch ops (any device): log-sum-exp, entropy and log p
+// of a chunk's logits, and the logits' gradient.
+struct chunk_rows_libtorch {
+  // x: the chunk's logits (rows, V), overwritten; l: a (rows, V) buffer.
+  static void forward(torch::Tensor& x, torch::Tensor& l, const torch::Tensor& t, torch::Tensor logp,
+                      torch::Tensor lse, torch::Tensor ent) {
+    const auto t1 = t.unsqueeze(1);
+    at::_log_softmax_out(l, x, 1, false);                        // log p
+    const auto lp = l.gather(1, t1).squeeze(1);
+    logp.copy_(lp);
+    lse.copy_(x.gather(1, t1).squeeze(1) - lp);                  // log-sum-exp = logit_t - log p_t
+    torch::exp_out(x, l).mul_(l);                                // p log p
+    torch::sum_out(ent, x, {1}).neg_();
+  }
+  // d logp_t / dx_j = [j = t] - p_j ;  d H / dx_j = -p_j (log p_j + H), so with a = g_ent and
+  // b = g_logp + g_ent H per row: d/dx_j = -p_j (a log p_j + b) + [j = t] g_logp. Returns the
+  // gradient, in x or p.
+  static torch::Tensor& backward(torch::Tensor& x, torch::Tensor& p, const torch::Tensor& t, const torch::Tensor& lse,
+                                 const torch::Tensor& ent, const torch::Tensor& g_logp, const torch::Tensor& g_ent) {
+    x.sub_(lse.unsqueeze(1));  // log p
+    torch::exp_out(p, x);
+    x.mul_(g_ent.unsqueeze(1)).add_((g_logp + g_ent * ent).unsqueeze(1)).mul_(p).neg_();
+    x.scatter_add_(1, t.unsqueeze(1), g_logp.unsqueeze(1));
+    return x;
+  }
+};
+
+#if defined(UNIRL_WITH_CUDA_KERNELS)
+// The same row work on CUDA tensors through the token log-prob kernels (ops/cuda/logprob.cuh): one
+// pass per row instead of LibTorch's five.
+struct chunk_rows_cuda {
+  static void forward(torch::Tensor& x, torch::Tensor&, const torch::Tensor& t, torch::Tensor logp, torch::Tensor lse,
+                      torch::Tensor ent) {
+    const auto n = x.size(0), v = x.size(1);
+    const auto stream = at::cuda::getCurrentCUDAStream().stream();
+    AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "unirl_cuda_chunk_logprob", [&] {
+      cuda_logprob::check(ops::cuda::logprob_forward<scalar_t>(x.data_ptr<scalar_t>(), t.data_ptr<std::int64_t>(), n,
+                                                               v, logp.data_ptr<scalar_t>(), ent.data_ptr<scalar_t>(),
+                                                               lse.data_ptr<scalar_t>(), stream));
+    });
+  }
+  static torch::Tensor& backward(torch::Tensor& x, torch::Tensor& p, const torch::Tensor& t, const torch::Tensor& lse,
+                                 const torch::Tensor& ent, const torch::Tensor& g_logp, const torch::Tensor& g_ent) {
+    const auto n = x.size(0), v = x.size(1);
+    const auto stream = at::cuda::getCurrentCUDAStream().stream();
+    AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "unirl_cuda_chunk_logprob_backward", [&] {
+      cuda_logprob::check(ops::cuda::logprob_backward<scalar_t>(
+          x.data_ptr<scalar_t>(), t.data_ptr<std::int64_t>(), lse.data_ptr<scalar_t>(), ent.data_ptr<scalar_t>(),
+          g_logp.data_ptr<scalar_t>(), g_ent.data_ptr<scalar_t>(), n, v, p.data_ptr<scalar_t>(), stream));
+    });
+    return p;
+  }
+};
+#endif
+
 // The LM head and the log-probabilities in row chunks: forward keeps only (N,) results, and the
 // backward recomputes each chunk's logits, so memory is O(chunk * V) instead of O(N * V). Two
 // (chunk, V) buffers serve every chunk, and the head's gradient accumulates in place
-// (addmm_), so no (V, D) temporary is made per chunk.
-struct chunked_linear_logprob : torch::autograd::Function<chunked_linear_logprob> {
+// (addmm_), so no (V, D) temporary is made per chunk. `Rows` does the per-row work.
+template <class Rows>
+struct chunked_linear_logprob : torch::autograd::Function<chunked_linear_logprob<Rows>> {
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, torch::Tensor hidden,
                                                 torch::Tensor weight, torch::Tensor targets, std::int64_t chunk) {
     torch::NoGradGuard no_grad;
@@ -257,15 +313,8 @@ struct chunked_linear_logprob : torch::autograd::Function<chunked_linear_logprob
     for (std::int64_t lo = 0; lo < n; lo += chunk) {
       const auto hi = std::min(n, lo + chunk);
       auto x = x_buf.slice(0, 0, hi - lo), l = l_buf.slice(0, 0, hi - lo);
-      const auto t = targets.slice(0, lo, hi).unsqueeze(1);
-      torch::mm_out(x, hidden.slice(0, lo, hi), wt);               // logits
-      at::_log_softmax_out(l, x, 1, false);                        // log p
-      const auto lp = l.gather(1, t).squeeze(1);
-      logp.slice(0, lo, hi).copy_(lp);
-      lse.slice(0, lo, hi).copy_(x.gather(1, t).squeeze(1) - lp);  // log-sum-exp = logit_t - log p_t
-      torch::exp_out(x, l).mul_(l);                                // p log p
-      auto e = ent.slice(0, lo, hi);
-      torch::sum_out(e, x, {1}).neg_();
+      torch::mm_out(x, hidden.slice(0, lo, hi), wt);  // logits
+      Rows::forward(x, l, targets.slice(0, lo, hi), logp.slice(0, lo, hi), lse.slice(0, lo, hi), ent.slice(0, lo, hi));
     }
     ctx->save_for_backward({hidden, weight, targets, lse, ent});
     ctx->saved_data["chunk"] = chunk;
@@ -278,11 +327,8 @@ struct chunked_linear_logprob : torch::autograd::Function<chunked_linear_logprob
     const auto &hidden = saved[0], &weight = saved[1], &targets = saved[2], &lse = saved[3], &ent = saved[4];
     const auto chunk = ctx->saved_data["chunk"].toInt();
     const auto n = hidden.size(0), v = weight.size(0);
-    const auto g_logp = grads[0].defined() ? grads[0] : torch::zeros({n}, hidden.options());
-    const auto g_ent = grads[1].defined() ? grads[1] : torch::zeros({n}, hidden.options());
-    // d logp_t / dx_j = [j = t] - p_j ;  d H / dx_j = -p_j (log p_j + H), so with a = g_ent and
-    // b = g_logp + g_ent H per row: d/dx_j = -p_j (a log p_j + b) + [j = t] g_logp.
-    const auto a = g_ent.unsqueeze(1), b = (g_logp + g_ent * ent).unsqueeze(1);
+    const auto g_logp = grads[0].defined() ? grads[0].contiguous() : torch::zeros({n}, hidden.options());
+    const auto g_ent = grads[1].defined() ? grads[1].contiguous() : torch::zeros({n}, hidden.options());
     // A frozen head (LoRA keeps the base weights, tied embeddings included, out of training)
     // gets no gradient: no (V, D) buffer and a third less work in this backward.
     const bool want_weight = ctx->needs_input_grad(1), want_hidden = ctx->needs_input_grad(0);
@@ -295,15 +341,14 @@ struct chunked_linear_logprob : torch::autograd::Function<chunked_linear_logprob
       const auto hi = std::min(n, lo + chunk);
       auto x = x_buf.slice(0, 0, hi - lo), p = p_buf.slice(0, 0, hi - lo);
       const auto h = hidden.slice(0, lo, hi);
-      torch::mm_out(x, h, wt).sub_(lse.slice(0, lo, hi).unsqueeze(1));  // log p
-      torch::exp_out(p, x);
-      x.mul_(a.slice(0, lo, hi)).add_(b.slice(0, lo, hi)).mul_(p).neg_();  // d/dx without the target term
-      x.scatter_add_(1, targets.slice(0, lo, hi).unsqueeze(1), g_logp.slice(0, lo, hi).unsqueeze(1));
+      torch::mm_out(x, h, wt);  // logits
+      const auto& gx = Rows::backward(x, p, targets.slice(0, lo, hi), lse.slice(0, lo, hi), ent.slice(0, lo, hi),
+                                      g_logp.slice(0, lo, hi), g_ent.slice(0, lo, hi));
       if (want_hidden) {
         auto gh = g_hidden.slice(0, lo, hi);
-        torch::mm_out(gh, x, weight);
+        torch::mm_out(gh, gx, weight);
       }
-      if (want_weight) g_weight.addmm_(x.t(), h);
+      if (want_weight) g_weight.addmm_(gx.t(), h);
     }
     return {g_hidden, g_weight, torch::Tensor(), torch::Tensor()};
   }
@@ -313,9 +358,14 @@ struct chunked_linear_logprob : torch::autograd::Function<chunked_linear_logprob
 
 /// `token_logprob(hidden @ weight^T, targets)` computed `chunk` rows at a time: the (N, V)
 /// logits are never materialised, in the forward or the backward (which recomputes them per
-/// chunk). hidden (N, D), weight (V, D) — the LM head — targets (N,) int64.
-inline logprob_result linear_logprob(const torch::Tensor& hidden, const torch::Tensor& weight,
-                                     const torch::Tensor& targets, std::int64_t chunk = 1024) {
+/// chunk). hidden (N, D), weight (V, D) — the LM head — targets (N,) int64. `exec::reference`
+/// materialises the logits (`token_logprob<exec::reference>(hidden @ weight^T, targets)`, the
+/// test oracle); `exec::cpu` (and `exec::automatic` on the CPU) chunks with LibTorch's row ops;
+/// `exec::cuda` (and `exec::automatic` on CUDA, when built with `UNIRL_ENABLE_CUDA`) chunks with
+/// the token log-prob kernels for the rows' work.
+template <ExecutionPolicy Exec = exec::automatic>
+logprob_result linear_logprob(const torch::Tensor& hidden, const torch::Tensor& weight, const torch::Tensor& targets,
+                              std::int64_t chunk = 1024) {
   UNIRL_CHECK(hidden.dim() == 2 && weight.dim() == 2 && hidden.size(1) == weight.size(1),
               "linear_logprob: hidden (N, D) and weight (V, D) expected, got ", hidden.sizes(), " and ",
               weight.sizes());
@@ -323,8 +373,22 @@ inline logprob_result linear_logprob(const torch::Tensor& hidden, const torch::T
               hidden.size(0), ",), got ", targets.sizes());
   UNIRL_CHECK(chunk >= 1, "linear_logprob: chunk = ", chunk, ": expected >= 1");
   const auto t = detail::check_vocabulary(targets, weight.size(0), "linear_logprob");
-  auto out = detail::chunked_linear_logprob::apply(hidden, weight, t, chunk);
-  return {out[0], out[1]};
+  auto chunked = [&]<class Rows>(Rows) {
+    auto out = detail::chunked_linear_logprob<Rows>::apply(hidden, weight, t.contiguous(), chunk);
+    return logprob_result{out[0], out[1]};
+  };
+  return exec::dispatch<Exec>(
+      hidden, [&] { return token_logprob<exec::reference>(torch::mm(hidden, weight.t()), t); },
+      [&] { return chunked(detail::chunk_rows_libtorch{}); }
+#if defined(UNIRL_WITH_CUDA_KERNELS)
+      ,
+      [&] {
+        const auto st = hidden.scalar_type();
+        if (st == torch::kFloat || st == torch::kDouble) return chunked(detail::chunk_rows_cuda{});
+        return chunked(detail::chunk_rows_libtorch{});
+      }
+#endif
+  );
 }
 
 }  // namespace unirl::ops

@@ -7,7 +7,10 @@
 /// exact zeros: the result does not depend on what else is decoded), each prefill chunk on its
 /// own. The projections around it run on all N packed tokens at once. On the CPU in float and
 /// double the decoding sequences run a fused loop that reads their keys and values in the pool
-/// (no gather, no padding) with the arithmetic of `ops::attention`'s fused kernel.
+/// (no gather, no padding) with the arithmetic of `ops::attention`'s fused kernel; on CUDA (built
+/// with `UNIRL_ENABLE_CUDA`) a kernel that does the same, one block per sequence and head
+/// (ops/cuda/paged_attention.cuh). The decode step is dispatched by the execution policy `Exec`
+/// (default `exec::automatic`): `exec::reference` gathers the slots and calls `attend`.
 ///
 /// ```cpp
 /// // q (N, H, Dh), k and v (N, H_kv, Dh) of the batch's tokens; kv.k[l], kv.v[l] (slots, H_kv, Dh)
@@ -25,8 +28,17 @@
 #include <ATen/Parallel.h>
 
 #include <unirl/concepts/causal_lm.hpp>
+#include <unirl/concepts/execution.hpp>
 #include <unirl/core/error.hpp>
+#include <unirl/exec/policy.hpp>
 #include <unirl/ops/attention.hpp>
+
+#if defined(UNIRL_WITH_CUDA_KERNELS)
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include <unirl/ops/cuda/paged_attention.cuh>
+#endif
 
 namespace unirl::ops {
 
@@ -75,14 +87,35 @@ inline torch::Tensor paged_decode_cpu(const torch::Tensor& q, const torch::Tenso
   return out;
 }
 
+#if defined(UNIRL_WITH_CUDA_KERNELS)
+// The same on CUDA tensors (ops/cuda/paged_attention.cuh); the padding is masked by `bias` (S, C).
+inline torch::Tensor paged_decode_cuda(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
+                                       const torch::Tensor& slots, const torch::Tensor& bias, double scale) {
+  const c10::cuda::CUDAGuard guard(q.device());
+  const auto S = q.size(0), H = q.size(1), D = q.size(2), Hkv = k_pool.size(1), C = slots.size(1);
+  const auto qc = q.contiguous();
+  const auto sl = slots.contiguous();
+  const auto bs = bias.to(q.scalar_type()).reshape({S, C}).contiguous();
+  auto out = torch::empty_like(qc);
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "unirl_paged_decode_cuda", [&] {
+    const auto e = ops::cuda::paged_decode<scalar_t>(
+        qc.data_ptr<scalar_t>(), k_pool.data_ptr<scalar_t>(), v_pool.data_ptr<scalar_t>(), sl.data_ptr<std::int64_t>(),
+        bs.data_ptr<scalar_t>(), S, H, Hkv, D, C, static_cast<scalar_t>(scale), out.data_ptr<scalar_t>(),
+        at::cuda::getCurrentCUDAStream().stream());
+    UNIRL_CHECK(e == cudaSuccess, "paged_attention: CUDA decode kernel failed: ", cudaGetErrorString(e));
+  });
+  return out;
+}
+#endif
+
 }  // namespace detail
 
 /// `attend(q (B, H, n, Dh), k (B, H_kv, S, Dh), v, bias (B, 1, n, S)) -> (B, H, n, Dh)` is the
 /// model's attention (its grouped-query handling, its precision) with softmax scale `scale`;
 /// this function lays the paged batch out for it. q (N, H, Dh), k_new / v_new (N, H_kv, Dh);
 /// k_pool / v_pool (slots, H_kv, Dh) receive the new keys and values at `b.write_slots`.
-/// Returns (N, H, Dh). Without gradients.
-template <class Attend>
+/// Returns (N, H, Dh). Without gradients. `Exec` picks the decode step's implementation.
+template <ExecutionPolicy Exec = exec::automatic, class Attend>
 torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_new, const torch::Tensor& v_new,
                               torch::Tensor& k_pool, torch::Tensor& v_pool, const paged_batch& b, double scale,
                               Attend&& attend) {
@@ -99,20 +132,40 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_new
   const auto H = q.size(1), Hkv = k_new.size(1), D = q.size(2);
   auto out = torch::empty_like(q);
   const auto st = q.scalar_type();
-  const bool fused_decode = q.device().is_cpu() && (st == torch::kFloat || st == torch::kDouble) &&
-                            k_pool.scalar_type() == st && k_pool.is_contiguous() && v_pool.is_contiguous() &&
-                            H % Hkv == 0 && b.decode_context.size() == static_cast<std::size_t>(b.decode_rows.defined() ? b.decode_rows.numel() : 0);
-  if (b.decode_rows.defined() && b.decode_rows.numel() > 0 && fused_decode) {
-    out.index_copy_(0, b.decode_rows,
-                    detail::paged_decode_cpu(q.index_select(0, b.decode_rows), k_pool, v_pool, b.decode_slots,
-                                             b.decode_context, scale));
-  } else if (b.decode_rows.defined() && b.decode_rows.numel() > 0) {
+  const bool has_decode = b.decode_rows.defined() && b.decode_rows.numel() > 0;
+  // The fused loops need float or double pools of the queries' dtype, whole KV-head groups, and
+  // (CPU) the context lengths on the host or (CUDA) the scores in one block's shared memory.
+  const bool fusable = (st == torch::kFloat || st == torch::kDouble) && k_pool.scalar_type() == st &&
+                       v_pool.scalar_type() == st && k_pool.is_contiguous() && v_pool.is_contiguous() && H % Hkv == 0;
+  if (has_decode) {
     const auto S = b.decode_slots.size(0), C = b.decode_slots.size(1);
-    const auto flat = b.decode_slots.reshape({-1});
-    const auto k = k_pool.index_select(0, flat).view({S, C, Hkv, D}).permute({0, 2, 1, 3});  // (S, H_kv, C, Dh)
-    const auto v = v_pool.index_select(0, flat).view({S, C, Hkv, D}).permute({0, 2, 1, 3});
-    const auto qd = q.index_select(0, b.decode_rows).unsqueeze(2);                          // (S, H, 1, Dh)
-    out.index_copy_(0, b.decode_rows, attend(qd, k, v, b.decode_bias).view({S, H, D}));
+    const auto qd = q.index_select(0, b.decode_rows);  // (S, H, Dh)
+    auto gathered = [&] {
+      const auto flat = b.decode_slots.reshape({-1});
+      const auto k = k_pool.index_select(0, flat).view({S, C, Hkv, D}).permute({0, 2, 1, 3});  // (S, H_kv, C, Dh)
+      const auto v = v_pool.index_select(0, flat).view({S, C, Hkv, D}).permute({0, 2, 1, 3});
+      auto q4 = qd.unsqueeze(2);                                                              // (S, H, 1, Dh)
+      return attend(q4, k, v, b.decode_bias).view({S, H, D});
+    };
+    const auto y = exec::dispatch<Exec>(
+        qd, gathered,
+        [&] {
+          if (fusable && b.decode_context.size() == static_cast<std::size_t>(S))
+            return detail::paged_decode_cpu(qd, k_pool, v_pool, b.decode_slots, b.decode_context, scale);
+          return gathered();
+        }
+#if defined(UNIRL_WITH_CUDA_KERNELS)
+        ,
+        [&] {
+          const auto shared = st == torch::kDouble ? ops::cuda::paged_decode_shared_bytes<double>(C, D)
+                                                   : ops::cuda::paged_decode_shared_bytes<float>(C, D);
+          if (fusable && b.decode_bias.defined() && shared <= ops::cuda::paged_decode_max_shared_bytes)
+            return detail::paged_decode_cuda(qd, k_pool, v_pool, b.decode_slots, b.decode_bias, scale);
+          return gathered();
+        }
+#endif
+    );
+    out.index_copy_(0, b.decode_rows, y);
   }
   for (const auto& c : b.chunks) {
     const auto k = k_pool.index_select(0, c.context_slots).permute({1, 0, 2}).unsqueeze(0);  // (1, H_kv, ctx, Dh)

@@ -11,8 +11,10 @@
 /// unirl::trainer<my_model, my_algo, my_reward, unirl::parallel::data_parallel<unirl::parallel::gloo>>
 ///     t{model, reward, opts, std::move(dp)};
 /// ```
-/// Backends: `parallel::gloo` (CPU tensors; Gloo ships with LibTorch) and `parallel::nccl` (CUDA
-/// tensors; available when LibTorch was built with NCCL, `UNIRL_WITH_NCCL` defined). The step
+/// Backends: `parallel::gloo` (CPU tensors; Gloo ships with LibTorch), `parallel::nccl` (CUDA
+/// tensors) and `parallel::gloo_nccl` (one group: NCCL for CUDA tensors, Gloo for CPU tensors,
+/// each collective by its tensors' device); the last two when unirl is configured with
+/// `-DUNIRL_ENABLE_NCCL=ON` (a LibTorch built with NCCL; `UNIRL_WITH_NCCL` defined). The step
 /// statistics are averaged over ranks (`all_reduce_mean`), the reward range taken over all of
 /// them (`all_reduce_max`). `unirl::par` is the former name of the namespace, kept as an alias.
 ///
@@ -36,6 +38,8 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #if defined(UNIRL_WITH_NCCL)
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 
@@ -129,6 +133,28 @@ struct nccl {
     auto opts = c10d::ProcessGroupNCCL::Options::create();
     opts->timeout = r.timeout;
     return c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, world_size, opts);
+  }
+};
+
+/// One process group over both: NCCL for CUDA tensors, Gloo for CPU tensors. Each collective goes
+/// to the backend of its tensors' device (c10d's per-device backends), so a strategy over it
+/// reduces a model on the GPU through NCCL and host buffers (statistics, the transport's) through
+/// Gloo. Where no GPU is visible the group is Gloo alone.
+struct gloo_nccl {
+  static c10::intrusive_ptr<c10d::ProcessGroup> create(const c10::intrusive_ptr<c10d::Store>& store, int rank,
+                                                       int world_size, const rendezvous& r) {
+    auto group = c10::make_intrusive<c10d::ProcessGroup>(store, rank, world_size);
+    // Each backend meets its peers under its own prefix of the store.
+    const c10::intrusive_ptr<c10d::Backend> host =
+        gloo::create(c10::make_intrusive<c10d::PrefixStore>("gloo", store), rank, world_size, r);
+    group->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::GLOO, host);
+    group->setDefaultBackend(c10d::ProcessGroup::BackendType::GLOO);
+    if (torch::cuda::is_available()) {
+      const c10::intrusive_ptr<c10d::Backend> device =
+          nccl::create(c10::make_intrusive<c10d::PrefixStore>("nccl", store), rank, world_size, r);
+      group->setBackend(c10::DeviceType::CUDA, c10d::ProcessGroup::BackendType::NCCL, device);
+    }
+    return group;
   }
 };
 #endif

@@ -46,6 +46,7 @@
 #include <unirl/core/error.hpp>
 #include <unirl/core/options.hpp>
 #include <unirl/exec/policy.hpp>
+#include <unirl/ops/gaussian.hpp>
 #include <unirl/rollout/flow.hpp>
 
 // logprob_reduction, step_coefficients and SamplerFor: concepts/flow_sampler.hpp.
@@ -243,7 +244,8 @@ struct ddim {
 
 /// Per-sample Gaussian log-prob (B,) of `x_next` under N(mean, std^2), reduced over elements:
 /// `reduce_el [-(x' - mean)^2 / (2 std^2) - log std - log(2 pi) / 2]`, in the mean's dtype; zeros
-/// for a deterministic step (std = 0). `x_next` is a constant (the stored state).
+/// for a deterministic step (std = 0). `x_next` is a constant (the stored state). The op with its
+/// three implementations (reference, fused CPU, CUDA kernel) is `ops::gaussian_logprob`.
 template <ExecutionPolicy Exec = exec::automatic>
 torch::Tensor gaussian_log_prob(const torch::Tensor& x_next, const torch::Tensor& mean, double std,
                                 logprob_reduction r = logprob_reduction::mean) {
@@ -253,11 +255,7 @@ torch::Tensor gaussian_log_prob(const torch::Tensor& x_next, const torch::Tensor
   UNIRL_CHECK(mean.dim() >= 1 && mean.is_floating_point(), "gaussian_log_prob: the mean must be a floating (B, S...) "
               "tensor, got ", mean.sizes(), " ", mean.dtype());
   if (!(std > 0.0)) return torch::zeros({mean.size(0)}, mean.options());
-  return exec::dispatch<Exec>(mean, [&] {
-    const auto d = x_next.detach().to(mean.scalar_type()) - mean;
-    const auto lp = -d.square() / (2.0 * std * std) - (std::log(std) + 0.5 * std::log(2.0 * flow_math::pi));
-    return detail::reduce_elements(lp, r);
-  });
+  return ops::gaussian_logprob<Exec>(x_next, mean, std, r == logprob_reduction::mean);
 }
 
 /// Closed-form KL (B,) between N(mean_a, std^2) and N(mean_b, std^2): `(mean_a - mean_b)^2 / (2 std^2)`,

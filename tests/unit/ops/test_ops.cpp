@@ -1,11 +1,16 @@
 // Hot ops: every implementation against the LibTorch reference, gradients against finite differences.
 #include <cmath>
 #include <limits>
+#include <string>
 
 #include <catch2/catch.hpp>
 
 #include <unirl/ops/attention.hpp>
+#include <unirl/ops/gaussian.hpp>
 #include <unirl/ops/logprob.hpp>
+#include <unirl/ops/paged_attention.hpp>
+
+#include "paged_fixture.hpp"
 
 namespace {
 double max_diff(const torch::Tensor& a, const torch::Tensor& b) { return (a - b).abs().max().item<double>(); }
@@ -195,4 +200,73 @@ TEST_CASE("fused attention: hand-computed values, finite differences, a fully ma
   CHECK(std::isnan(unirl::ops::attention<unirl::exec::reference>(q, k, v, none, 1.0).item<double>()));
   CHECK_THROWS_WITH(unirl::ops::attention(q, k.view({1, 2, 1, 1}), v, {}, 1.0), Catch::Contains("must be (B, H, S, Dh)"));
   CHECK_THROWS_WITH(unirl::ops::attention(q.view({1, 1, 1}), k, v, {}, 1.0), Catch::Contains("q, k, v must be"));
+}
+
+TEST_CASE("linear log-prob: the reference materialises the logits, the chunked paths equal it", "[cpu][ops]") {
+  torch::manual_seed(3);
+  auto h = torch::randn({29, 12}, torch::kFloat64).requires_grad_(true);
+  auto w = torch::randn({41, 12}, torch::kFloat64).requires_grad_(true);
+  const auto t = torch::randint(41, {29}, torch::kInt64);
+  const auto g1 = torch::randn({29}, torch::kFloat64), g2 = torch::randn({29}, torch::kFloat64);
+  // The reference is token_logprob of the materialised logits, by construction.
+  const auto m = unirl::ops::token_logprob<unirl::exec::reference>(torch::mm(h, w.t()), t);
+  const auto gm = torch::autograd::grad({(m.logp * g1).sum() + (m.entropy * g2).sum()}, {h, w});
+  for (auto* name : {"reference", "cpu"}) {
+    const auto r = std::string(name) == "reference" ? unirl::ops::linear_logprob<unirl::exec::reference>(h, w, t, 5)
+                                                    : unirl::ops::linear_logprob<unirl::exec::cpu>(h, w, t, 5);
+    const auto g = torch::autograd::grad({(r.logp * g1).sum() + (r.entropy * g2).sum()}, {h, w});
+    INFO(name);
+    CHECK(max_diff(r.logp, m.logp) < 1e-12);
+    CHECK(max_diff(r.entropy, m.entropy) < 1e-12);
+    CHECK(max_diff(g[0], gm[0]) < 1e-12);
+    CHECK(max_diff(g[1], gm[1]) < 1e-12);
+  }
+}
+
+TEST_CASE("fused Gaussian log-prob equals the reference and the formula, values and mean gradients", "[cpu][ops]") {
+  torch::manual_seed(4);
+  for (auto dtype : {torch::kFloat64, torch::kFloat32}) {
+    const double tol = dtype == torch::kFloat64 ? 1e-12 : 1e-5;
+    for (bool mean_reduction : {true, false}) {
+      const auto x = torch::randn({6, 3, 5, 7}, torch::dtype(dtype));
+      auto mean = (x + 0.3 * torch::randn({6, 3, 5, 7}, torch::dtype(dtype))).requires_grad_(true);
+      const auto g = torch::randn({6}, torch::dtype(dtype));
+      const double std = 0.37;
+      const auto f = unirl::ops::gaussian_logprob<unirl::exec::cpu>(x, mean, std, mean_reduction);
+      const auto gf = torch::autograd::grad({(f * g).sum()}, {mean})[0];
+      const auto r = unirl::ops::gaussian_logprob<unirl::exec::reference>(x, mean, std, mean_reduction);
+      const auto gr = torch::autograd::grad({(r * g).sum()}, {mean})[0];
+      INFO("dtype " << dtype << " mean_reduction " << mean_reduction);
+      CHECK(max_diff(f, r) / r.abs().max().item<double>() < tol);
+      CHECK(max_diff(gf, gr) / gr.abs().max().item<double>() < tol);
+      // The formula, written out for sample 0 in float64.
+      const auto d = (x[0] - mean[0]).to(torch::kFloat64).detach().flatten();
+      double s = 0;
+      for (std::int64_t j = 0; j < d.size(0); ++j) {
+        const double dj = d[j].item<double>();
+        s += -dj * dj / (2 * std * std) - std::log(std) - 0.5 * std::log(2 * M_PI);
+      }
+      if (mean_reduction) s /= static_cast<double>(d.size(0));
+      CHECK(std::abs(f[0].item<double>() - s) < tol * std::abs(s));
+    }
+  }
+  CHECK_THROWS_WITH(unirl::ops::gaussian_logprob(torch::zeros({2, 3}), torch::zeros({2, 4}), 1.0, true),
+                    Catch::Matchers::Contains("gaussian_logprob: x_next sizes [2, 3] differ from the mean's [2, 4]"));
+  CHECK_THROWS_WITH(unirl::ops::gaussian_logprob(torch::zeros({2, 3}), torch::zeros({2, 3}), 0.0, true),
+                    Catch::Matchers::Contains("gaussian_logprob: std = 0: expected a finite value > 0"));
+}
+
+TEST_CASE("paged decode: the fused CPU loop equals the gathered reference, grouped heads and padding", "[cpu][ops]") {
+  torch::manual_seed(5);
+  for (auto dtype : {torch::kFloat64, torch::kFloat32}) {
+    const double tol = dtype == torch::kFloat64 ? 1e-12 : 1e-5;
+    auto c = unirl_test::make_paged_decode_case({1, 7, 20, 33, 3}, 4, 2, 16, 120, torch::dtype(dtype));
+    const auto f = c.run<unirl::exec::cpu>();
+    const auto r = c.run<unirl::exec::reference>();
+    INFO("dtype " << dtype);
+    CHECK(max_diff(f, r) / r.abs().max().item<double>() < tol);
+    // Sequence 0 attends to its one key alone: its output is that key's value.
+    const auto own = c.batch.write_slots[0].item<std::int64_t>();
+    CHECK(max_diff(f[0].select(0, 0), c.v_pool[own].select(0, 0)) < tol);
+  }
 }

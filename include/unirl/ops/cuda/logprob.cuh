@@ -1,47 +1,17 @@
 #pragma once
 // CUDA kernels for token log-prob + entropy (forward and backward). Raw pointers, sizes and a
 // stream; no LibTorch header (nvcc need not parse LibTorch). Instantiated in src/cuda/kernels.cu
-// into the unirl::cuda target; the LibTorch glue is in ops/logprob.hpp.
+// into the unirl::cuda target; the LibTorch glue is in ops/logprob.hpp, which sees only the
+// launchers' declarations (the kernels are compiled by nvcc alone: `__CUDACC__`).
 #include <cstdint>
 
 #include <cuda_runtime.h>
 
+#include <unirl/ops/cuda/common.cuh>
+
 namespace unirl::ops::cuda {
 
-constexpr int logprob_block = 256;
-
-namespace detail {
-template <class T>
-__device__ T warp_sum(T v) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
-  return v;
-}
-template <class T>
-__device__ T warp_max(T v) {
-  for (int o = 16; o > 0; o >>= 1) {
-    const T other = __shfl_down_sync(0xffffffffu, v, o);
-    v = other > v ? other : v;
-  }
-  return v;
-}
-// Block-wide reduction; every thread gets the result.
-template <class T, bool Max>
-__device__ T block_reduce(T v, T* shared) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  v = Max ? warp_max(v) : warp_sum(v);
-  if (lane == 0) shared[warp] = v;
-  __syncthreads();
-  const int warps = (blockDim.x + 31) >> 5;
-  T r = threadIdx.x < warps ? shared[threadIdx.x] : (Max ? shared[0] : T(0));
-  if (warp == 0) r = Max ? warp_max(r) : warp_sum(r);
-  if (threadIdx.x == 0) shared[0] = r;
-  __syncthreads();
-  r = shared[0];
-  __syncthreads();
-  return r;
-}
-}  // namespace detail
-
+#if defined(__CUDACC__) || defined(UNIRL_CUDA_HOST_CHECK)
 // One block per row: lse, entropy, log p(target).
 template <class T>
 __global__ void logprob_forward_kernel(const T* __restrict__ logits, const std::int64_t* __restrict__ targets,
@@ -72,8 +42,8 @@ __global__ void logprob_forward_kernel(const T* __restrict__ logits, const std::
 template <class T>
 __global__ void logprob_backward_kernel(const T* __restrict__ logits, const std::int64_t* __restrict__ targets,
                                         const T* __restrict__ lse, const T* __restrict__ entropy,
-                                        const T* __restrict__ g_logp, const T* __restrict__ g_entropy,
-                                        std::int64_t v, T* __restrict__ g_logits) {
+                                        const T* __restrict__ g_logp, const T* __restrict__ g_entropy, std::int64_t v,
+                                        T* __restrict__ g_logits) {
   const T* row = logits + blockIdx.x * v;
   T* out = g_logits + blockIdx.x * v;
   const T gl = g_logp[blockIdx.x], gh = g_entropy[blockIdx.x], l = lse[blockIdx.x], h = entropy[blockIdx.x];
@@ -84,6 +54,8 @@ __global__ void logprob_backward_kernel(const T* __restrict__ logits, const std:
     out[j] = -gl * p - gh * p * (logp_j + h) + (j == t ? gl : T(0));
   }
 }
+
+#endif  // __CUDACC__
 
 /// Launchers (defined in src/cuda/kernels.cu for float and double).
 template <class T>
