@@ -222,6 +222,17 @@ class grpo {
   const options& opts() const { return o_; }
   bool uses_reference() const { return o_.kl_coef > 0.0; }
 
+  /// The trainer's checks of the sampling settings against the model and of prompts before
+  /// sampling (optional hooks, concepts/algorithm.hpp); `key` is where the options sit ("algorithm.").
+  template <class M>
+  void check_model(const M& model, const std::string& key) const {
+    check_sampling_against_model(o_.sampling, model, key + "sampling.");
+  }
+  template <class M>
+  void check_input(const M& model, const prompt_batch& in, const std::string& key) const {
+    check_prompt_lengths(o_.sampling, model, in, key + "sampling.");
+  }
+
   /// Gradient accumulation (trainer option `micro_batch_size`): what the loss of `b` divides by —
   /// its valid tokens under `token_mean`, its sequences otherwise (`aggregation_normaliser`).
   torch::Tensor loss_normaliser(const token_rollout& b) const {

@@ -236,6 +236,21 @@ struct ppo {
   /// A reference model is needed only for a KL term.
   bool uses_reference() const { return opts_.kl_coef > 0.0; }
 
+  /// The track's checks of its settings against the model and of an input before sampling
+  /// (optional hooks, concepts/algorithm.hpp), where the track has them.
+  template <class M>
+    requires requires(const options& o, const M& m, const std::string& k) { ppo_track<Track>::check_model(o, m, k); }
+  void check_model(const M& model, const std::string& key) const {
+    ppo_track<Track>::check_model(opts_, model, key);
+  }
+  template <class M, class Input>
+    requires requires(const options& o, const M& m, const Input& in, const std::string& k) {
+      ppo_track<Track>::check_input(o, m, in, k);
+    }
+  void check_input(const M& model, const Input& in, const std::string& key) const {
+    ppo_track<Track>::check_input(opts_, model, in, key);
+  }
+
   // Each stage is constrained by the track's own (`AlgorithmFor` and `SamplesFrom` see through).
   template <ModelAdapter M, class Input>
     requires requires(const options& o, model_set<M>& ms, Input& in, const step_info& i) {

@@ -14,6 +14,7 @@
 ///                    .track = {.sampling = {.max_new_tokens = 8}}}}};
 /// ```
 #include <cstdint>
+#include <string>
 #include <tuple>
 
 #include <boost/hana.hpp>
@@ -75,6 +76,16 @@ template <>
 struct ppo_track<token_track> {
   using options = ppo_token_options;
   using settings = basic_ppo_options<options>;
+
+  /// The sampling settings against the model, and prompts against its context (the trainer's checks).
+  template <class M>
+  static void check_model(const settings& o, const M& model, const std::string& key) {
+    check_sampling_against_model(o.track.sampling, model, key + "track.sampling.");
+  }
+  template <class M>
+  static void check_input(const settings& o, const M& model, const prompt_batch& in, const std::string& key) {
+    check_prompt_lengths(o.track.sampling, model, in, key + "track.sampling.");
+  }
 
   template <ExecutionPolicy Exec, CausalLM M>
   static token_rollout sample(const settings& o, model_set<M>& models, const prompt_batch& input,

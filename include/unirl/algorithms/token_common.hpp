@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <concepts>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include <torch/torch.h>
@@ -18,6 +19,7 @@
 #include <unirl/concepts/execution.hpp>
 #include <unirl/core/batch.hpp>
 #include <unirl/core/context.hpp>
+#include <unirl/core/error.hpp>
 #include <unirl/core/lora_guard.hpp>
 #include <unirl/exec/policy.hpp>
 #include <unirl/rollout/engine_sampler.hpp>
@@ -27,6 +29,43 @@
 #include <unirl/rollout/token_sampler.hpp>
 
 namespace unirl::algo {
+
+/// Sampling settings that cannot work with `model`, rejected when a trainer is built (through an
+/// algorithm's `check_model` hook, concepts/algorithm.hpp) rather than at the first step:
+/// completions as long as the model's context (`max_length()`), stop tokens outside its
+/// vocabulary. `key` is where the options sit (e.g. "algorithm.sampling."); throws `config_error`.
+template <class M>
+void check_sampling_against_model(const sampling_options& s, const M& model, const std::string& key) {
+  if constexpr (requires { { model.max_length() } -> std::convertible_to<std::int64_t>; }) {
+    const std::int64_t L = model.max_length();
+    if (s.max_new_tokens >= L)
+      throw config_error(key + "max_new_tokens",
+                         unirl::detail::concat("value ", s.max_new_tokens, " leaves no room for a prompt in the model's ",
+                                               "context of max_length() = ", L, " tokens; expected < ", L));
+  }
+  if constexpr (requires { { model.vocab_size() } -> std::convertible_to<std::int64_t>; }) {
+    const std::int64_t V = model.vocab_size();
+    for (const auto t : s.stop_tokens)
+      if (t < 0 || t >= V)
+        throw config_error(key + "stop_tokens", unirl::detail::concat("token id ", t, " is outside the model's vocabulary of ",
+                                                                      V, " tokens; expected ids in [0, ", V, ")"));
+  }
+}
+
+/// The longest prompt of `in` plus `max_new_tokens` must fit the model's context; checked before
+/// sampling (an algorithm's `check_input` hook). `key` as for `check_sampling_against_model`.
+template <class M>
+void check_prompt_lengths(const sampling_options& s, const M& model, const prompt_batch& in, const std::string& key) {
+  if constexpr (requires { { model.max_length() } -> std::convertible_to<std::int64_t>; }) {
+    const std::int64_t L = model.max_length(), T = s.max_new_tokens;
+    for (std::size_t i = 0; i < in.tokens.size(); ++i) {
+      const auto P = static_cast<std::int64_t>(in.tokens[i].size());
+      UNIRL_CHECK(P + T <= L, "trainer::step: prompt ", i, " has ", P, " tokens; with ", key, "max_new_tokens = ", T,
+                  " that makes ", P + T, ", more than the model's max_length() = ", L,
+                  ": shorten the prompts to at most ", L - T, " tokens or lower max_new_tokens");
+    }
+  }
+}
 
 /// `rollout::update_logprob(model, batch, temperature, false, layout).first` without gradients,
 /// `chunk` sequences at a time (0: all at once) and on the model's own device: each chunk's rows

@@ -60,6 +60,12 @@ struct algorithm_for<A, M> {
 /// weighs n_i / sum_j n_j — and `rollout_t<M> prepare_minibatch(const rollout_t<M>&) const`, the
 /// minibatch with the statistics its micro-batches must share taken over all of it (PPO's advantage
 /// whitening); `loss` sees `step_info::micro_batches > 1` then.
+/// Checks of its settings (the trainer names no algorithm's options): `void check_model(const M&
+/// model, const std::string& key) const` — settings that cannot work with the model, checked when
+/// the trainer is built (e.g. GRPO's `sampling.max_new_tokens` against `max_length()`), throwing
+/// `config_error` under `key` + the option's name (the trainer passes "algorithm."); and `void
+/// check_input(const M& model, const Input& input, const std::string& key) const` — an input that
+/// cannot work, checked before each sampling (prompts longer than the context allows).
 ///
 /// A *family* of algorithms whose options depend on the track (`algo::ppo<>`: each track nests its
 /// own options) is not itself an `Algorithm`: it declares `template <class Track> using for_track`,

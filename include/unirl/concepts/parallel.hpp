@@ -1,6 +1,8 @@
 #pragma once
 /// \file parallel.hpp
-/// Parallelism strategies: how gradients are reduced and how rollout weights are synced.
+/// Parallelism strategies: how gradients are reduced and how rollout weights are synced, and
+/// `parallel::single_device`, the identity strategy every trainer and `train::update_engine`
+/// defaults to (here, with the concept, so that the layers below `parallel/` can name it).
 #include <concepts>
 #include <vector>
 
@@ -20,7 +22,10 @@ namespace unirl {
 ///   ranks of a 1-D float64 tensor (every rank passes the same length): the trainer reduces its
 ///   step statistics through it, once per step;
 /// - `bool all_agree(bool ok)` — true only if every rank says true (the stability guard);
-/// - `void sync_weights(const std::vector<torch::Tensor>& params)` — learner to rollout workers.
+/// - `void sync_weights(const std::vector<torch::Tensor>& params)` — called with the policy's
+///   parameters after every step's update (every strategy here does nothing: the ranks hold equal
+///   weights after the averaged update; the learner → sampler sync of the split mode is
+///   `RolloutTransport::publish`, concepts/transport.hpp).
 /// Optional: `torch::Tensor all_reduce_max(const torch::Tensor& values)` (element-wise maximum;
 /// the trainer then reports the reward range over all ranks, else rank 0's own).
 /// Optional, all three together (`ShardedParallelStrategy`: the optimizer state is sharded over
@@ -56,3 +61,21 @@ concept ShardedParallelStrategy = ParallelStrategy<P> && requires(P& p, const na
 };
 
 }  // namespace unirl
+
+namespace unirl::parallel {
+
+/// The default parallelism: one process, one device; nothing to reduce, nothing to sync.
+struct single_device {
+  int rank() const { return 0; }
+  int world_size() const { return 1; }
+  void all_reduce_gradients(const std::vector<torch::Tensor>&) {}
+  void broadcast(const std::vector<torch::Tensor>&, int) {}
+  torch::Tensor all_reduce_mean(const torch::Tensor& v) { return v; }
+  torch::Tensor all_reduce_max(const torch::Tensor& v) { return v; }
+  double all_reduce_mean(double v) { return v; }
+  bool all_agree(bool ok) { return ok; }
+  void sync_weights(const std::vector<torch::Tensor>&) {}
+};
+static_assert(ParallelStrategy<single_device>);
+
+}  // namespace unirl::parallel

@@ -369,6 +369,15 @@ T read_scalar(torch::serialize::InputArchive& a, const std::string& key) {
 }
 
 /// True when the archive has an entry (scalar, tensor or nested archive) named `key`.
+/// A string as a 1-D uint8 tensor (how the RL trainer stores its options in a checkpoint), and back.
+inline torch::Tensor text_tensor(const std::string& s) {
+  return torch::from_blob(const_cast<char*>(s.data()), {static_cast<std::int64_t>(s.size())}, torch::kUInt8).clone();
+}
+inline std::string tensor_text(const torch::Tensor& t) {
+  auto c = t.contiguous();
+  return std::string(reinterpret_cast<const char*>(c.data_ptr<std::uint8_t>()), static_cast<std::size_t>(c.numel()));
+}
+
 inline bool has_key(torch::serialize::InputArchive& a, const std::string& key) {
   for (const auto& k : a.keys())
     if (k == key) return true;

@@ -68,6 +68,11 @@ struct flow_matching_options {
 struct flow_matching_batch {
   torch::Tensor x0;    // (B, S...) data samples (the model's sample_shape)
   torch::Tensor cond;  // (B, ...) conditions (class ids, embeddings)
+  std::int64_t size() const { return x0.defined() ? x0.size(0) : 0; }
+  /// The samples `index` ((n,) int64, any device): a micro-batch (`micro_batch_size`).
+  flow_matching_batch select(const torch::Tensor& index) const {
+    return {x0.index_select(0, index.to(x0.device())), cond.index_select(0, index.to(cond.device()))};
+  }
 };
 
 /// The flow-matching loss on given draws: `mean((net(x_t, t, cond) - (eps - x0))^2)` with
@@ -133,8 +138,8 @@ struct flow_matching_objective {
 
 /// The flow track's pretraining stage: `supervised_trainer` over `flow_matching_objective`
 /// (see train/supervised.hpp for the options, `step`, `run`, `save` / `load`).
-template <class M>
-using flow_matching_trainer = supervised_trainer<M, flow_matching_objective<M>>;
+template <class M, class Parallel = ::unirl::parallel::single_device>
+using flow_matching_trainer = supervised_trainer<M, flow_matching_objective<M>, Parallel>;
 
 }  // namespace unirl::train
 

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include <nlohmann/json.hpp>
+#include <torch/torch.h>
 
 #include <unirl/config.hpp>
 #include <unirl/core/error.hpp>
@@ -87,6 +88,25 @@ inline std::vector<nlohmann::json> read_metrics(const std::string& path) {
     }
   }
   return rows;
+}
+
+/// Writes the first `count` samples of a text batch `b` (one with `prompts`, `completions` and
+/// `references`) with their `rewards` as rows of `out`: step, sample, prompt, completion,
+/// reference, reward (the run report's samples.jsonl). One read of those rewards.
+template <class Batch>
+void write_sample_rows(metrics_writer& out, std::int64_t step, const Batch& b, const torch::Tensor& rewards,
+                       std::int64_t count) {
+  const auto n = std::min<std::int64_t>(count, static_cast<std::int64_t>(b.completions.size()));
+  const torch::Tensor r = rewards.detach().reshape({-1}).slice(0, 0, n).to(torch::kCPU, torch::kFloat64).contiguous();
+  for (std::int64_t i = 0; i < n; ++i) {
+    const auto k = static_cast<std::size_t>(i);
+    out.write({{"step", step},
+               {"sample", i},
+               {"prompt", k < b.prompts.size() ? b.prompts[k] : std::string{}},
+               {"completion", b.completions[k]},
+               {"reference", k < b.references.size() ? b.references[k] : std::string{}},
+               {"reward", r.data_ptr<double>()[i]}});
+  }
 }
 
 namespace detail {

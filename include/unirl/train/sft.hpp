@@ -59,6 +59,11 @@ struct sft_batch {
   torch::Tensor target_mask;  // (B, L-1) float, 1 where position t predicts a completion token t+1
   std::int64_t size() const { return ids.defined() ? ids.size(0) : 0; }
   std::int64_t tokens() const { return target_mask.defined() ? target_mask.sum().item<std::int64_t>() : 0; }
+  /// The rows `index` ((n,) int64, any device): a micro-batch (padding columns kept).
+  sft_batch select(const torch::Tensor& index) const {
+    const auto i = index.to(ids.device());
+    return {ids.index_select(0, i), mask.index_select(0, i), target_mask.index_select(0, i.to(target_mask.device()))};
+  }
 };
 
 /// Packs `prompts[i] + completions[i]` into an `sft_batch`. Every prompt needs at least one token
@@ -172,12 +177,15 @@ struct sft_objective {
   supervised_loss loss(M& model, const sft_batch& b) const {
     return {sft_loss(model, b, o.layout), b.size(), b.tokens()};
   }
+  /// What the loss of `b` divides by: its completion tokens (() float64, no read), so that
+  /// micro-batches (`micro_batch_size`) give the gradients of the whole batch's token mean.
+  torch::Tensor loss_normaliser(const sft_batch& b) const { return b.target_mask.sum().to(torch::kFloat64); }
 };
 
 /// The SFT stage: `supervised_trainer` over `sft_objective` (see train/supervised.hpp for the
 /// options, `step`, `run`, `save` / `load`).
-template <CausalLM M>
-using sft_trainer = supervised_trainer<M, sft_objective<M>>;
+template <CausalLM M, class Parallel = ::unirl::parallel::single_device>
+using sft_trainer = supervised_trainer<M, sft_objective<M>, Parallel>;
 
 /// (prompt, completion) token sequences in memory, served in shuffled batches epoch after epoch;
 /// its position is saved with the trainer's checkpoint (`Checkpointable`), so a resumed SFT run

@@ -1,11 +1,12 @@
 #pragma once
 /// \file supervised.hpp
-/// The supervised stage before RL, as a first-class trainer: `supervised_trainer<Model, Objective>`
-/// owns the same optimizer (AdamW with parameter groups), learning-rate schedule, gradient
-/// clipping, stability guard, JSONL metrics, progress line, checkpoints (bit-identical resume)
-/// and run directories as `unirl::trainer`, around a loss that needs no reward: cross-entropy on
-/// completion tokens (`train::sft_trainer`, sft.hpp) or the flow-matching velocity loss
-/// (`train::flow_matching_trainer`, flow_matching.hpp).
+/// The supervised stage before RL, as a first-class trainer: `supervised_trainer<Model, Objective,
+/// Parallel>` runs on the RL trainer's update engine (train/update_engine.hpp: AdamW with parameter
+/// groups, learning-rate schedule, gradient clipping, stability guard, mixed precision with loss
+/// scaling, micro-batches and the parallel policy) with JSONL metrics, a progress line,
+/// checkpoints (bit-identical resume) and run directories, around a loss that needs no reward:
+/// cross-entropy on completion tokens (`train::sft_trainer`, sft.hpp) or the flow-matching
+/// velocity loss (`train::flow_matching_trainer`, flow_matching.hpp).
 ///
 /// ```cpp
 /// unirl::train::sft_trainer<unirl::models::gpt> sft(model, {.optim = {.lr = 2e-3}, .batch_size = 64,
@@ -23,7 +24,10 @@
 /// `options` (a reflectable options aggregate) and `batch_type`, a constructor from `options`,
 /// `static constexpr std::string_view name` (stored in checkpoints), and
 /// `supervised_loss loss(Model&, const batch_type&) const` — the differentiable mean loss of the
-/// batch with its example and token counts.
+/// batch with its example and token counts. Optional: `torch::Tensor loss_normaliser(const
+/// batch_type&) const` — what the batch's mean loss divides by (SFT: its completion tokens;
+/// without it, the batch's size), which weighs the micro-batches of `micro_batch_size` (the batch
+/// type then needs `size()` and `select(index)`).
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -47,10 +51,12 @@
 #include <unirl/concepts/checkpoint.hpp>
 #include <unirl/concepts/supervised.hpp>
 #include <unirl/concepts/model.hpp>
+#include <unirl/concepts/parallel.hpp>
 #include <unirl/config.hpp>
 #include <unirl/core/error.hpp>
 #include <unirl/core/host.hpp>
 #include <unirl/core/options.hpp>
+#include <unirl/core/precision.hpp>
 #include <unirl/train/checkpoint.hpp>
 #include <unirl/train/clip.hpp>
 #include <unirl/train/guard.hpp>
@@ -58,6 +64,7 @@
 #include <unirl/train/optimizer.hpp>
 #include <unirl/train/run_directory.hpp>
 #include <unirl/train/schedule.hpp>
+#include <unirl/train/update_engine.hpp>
 
 namespace unirl::train {
 
@@ -75,6 +82,9 @@ struct supervised_options {
   schedule_options schedule{};           // warmup + constant / linear / cosine (total: `steps` when 0)
   clip_options clip{};                   // global gradient-norm clipping
   guard_options guard{};                 // NaN/Inf skips, loss and grad-norm spike monitor
+  ::unirl::precision precision = ::unirl::precision::fp32;  // the loss's forward: fp32, bf16, fp16 (autocast)
+  loss_scale_options loss_scale{};       // dynamic loss scaling (with fp16; any precision with mode = on)
+  std::int64_t micro_batch_size = 0;     // examples per forward/backward of a step (gradient accumulation); 0: all
   std::int64_t batch_size = 64;          // examples per step: what run() asks its batch source for
   std::int64_t steps = 1000;             // optimizer steps of run() (a resumed run continues to it)
   std::int64_t eval_every = 0;           // run(): steps between calls of on_eval; 0: never
@@ -89,6 +99,8 @@ struct supervised_options {
 
   void validate(const std::string& p) const {
     options::require(batch_size >= 1, p + "batch_size", batch_size, ">= 1");
+    options::require(micro_batch_size >= 0, p + "micro_batch_size", micro_batch_size,
+                     ">= 0 (0: the whole batch in one forward)");
     options::require(steps >= 0, p + "steps", steps, ">= 0");
     options::require(eval_every >= 0, p + "eval_every", eval_every, ">= 0 (0: never)");
     options::require(seed >= -1, p + "seed", seed, ">= 0, or -1 to leave the generators as they are");
@@ -99,6 +111,7 @@ struct supervised_options {
     } catch (const std::exception&) {
       throw config_error(p + "device", "value \"" + device + "\" is not a device: expected cpu, cuda or cuda:N");
     }
+    check_precision_supported(precision, torch::Device(device), p + "precision");
   }
 };
 
@@ -113,7 +126,8 @@ struct accessors_impl<unirl::train::supervised_options<O>> {
   make_pair(BOOST_HANA_STRING(#name), [](auto&& s) -> decltype(auto) { return (static_cast<decltype(s)&&>(s).name); })
   static constexpr auto apply() {
     return make_tuple(UNIRL_MEMBER(objective), UNIRL_MEMBER(optim), UNIRL_MEMBER(schedule), UNIRL_MEMBER(clip),
-                      UNIRL_MEMBER(guard), UNIRL_MEMBER(batch_size), UNIRL_MEMBER(steps), UNIRL_MEMBER(eval_every),
+                      UNIRL_MEMBER(guard), UNIRL_MEMBER(precision), UNIRL_MEMBER(loss_scale),
+                      UNIRL_MEMBER(micro_batch_size), UNIRL_MEMBER(batch_size), UNIRL_MEMBER(steps), UNIRL_MEMBER(eval_every),
                       UNIRL_MEMBER(seed), UNIRL_MEMBER(device), UNIRL_MEMBER(metrics_path), UNIRL_MEMBER(progress),
                       UNIRL_MEMBER(out), UNIRL_MEMBER(checkpoint_every), UNIRL_MEMBER(keep), UNIRL_MEMBER(resume));
   }
@@ -216,8 +230,10 @@ class supervised_progress {
 }  // namespace detail
 
 /// The supervised trainer (see the file comment). `Model` is a `TrainableModule` adapter,
-/// `Objective` a `SupervisedObjective` for it.
-template <class Model, class Objective>
+/// `Objective` a `SupervisedObjective` for it, `Parallel` the engine's parallel policy (with a
+/// data-parallel one every rank starts from rank 0's weights, feeds its own batches and gets the
+/// averaged gradients; rank 0 writes the metrics and the checkpoints).
+template <class Model, class Objective, class Parallel = ::unirl::parallel::single_device>
 class supervised_trainer {
   static_assert(TrainableModule<Model>,
                 "unirl::train::supervised_trainer: Model does not model TrainableModule: it needs parameters(), "
@@ -233,14 +249,15 @@ class supervised_trainer {
   using batch_type = typename Objective::batch_type;
   using options = supervised_options<typename Objective::options>;
 
-  /// Moves the model to `device`, builds the optimizer over its trainable parameters and seeds
-  /// the generators when `seed >= 0`. Throws `config_error` naming the key of an invalid option.
-  explicit supervised_trainer(Model model, options o = {})
+  /// Moves the model to `device`, builds the engine over its trainable parameters and seeds the
+  /// generators when `seed >= 0` (plus the rank). Throws `config_error` naming the key of an
+  /// invalid option.
+  explicit supervised_trainer(Model model, options o = {}, Parallel parallel = {})
       : opts_(checked(std::move(o))),
         device_(opts_.device),
         model_(std::move(model)),
         objective_(opts_.objective),
-        guard_(opts_.guard) {
+        engine_(engine_options(opts_), device_, std::move(parallel)) {
     if (device_.is_cuda()) {
       const auto n = torch::cuda::is_available() ? static_cast<std::int64_t>(torch::cuda::device_count()) : 0;
       if (n == 0 || device_.index() >= n)
@@ -248,67 +265,58 @@ class supervised_trainer {
                                                             "\" names a CUDA device, but this process sees ", n,
                                                             " CUDA device(s)"));
     }
-    if (opts_.seed >= 0) torch::manual_seed(static_cast<std::uint64_t>(opts_.seed));
+    if (opts_.seed >= 0) torch::manual_seed(static_cast<std::uint64_t>(opts_.seed + engine_.parallel().rank()));
     model_.to(device_);
-    const named_tensors named = model_.named_parameters();
-    for (const auto& [n, t] : named) {
-      (void)n;
-      if (t.requires_grad()) params_.push_back(t);
-    }
-    UNIRL_CHECK(!params_.empty(), "supervised_trainer: the model has no trainable parameters");
-    optimizer_ = std::make_unique<optimizer>(named, opts_.optim);
+    if (engine_.parallel().world_size() > 1) engine_.parallel().broadcast(tensors_of(state()), 0);
+    engine_.bind(model_.named_parameters(), "supervised_trainer");
   }
 
-  /// One optimizer step on `batch`: the objective's loss, backward, per-group and global
-  /// clipping, the guard (a non-finite loss or gradient skips the update and leaves the weights
-  /// unchanged), AdamW. One host read (the non-finite flags, the loss and the gradient norm).
+  /// One optimizer step on `batch` through the engine: the objective's loss under the precision's
+  /// autocast (in micro-batches of `micro_batch_size`, weighted by the objective's
+  /// `loss_normaliser`), backward, the gradient average over ranks, per-group and global clipping,
+  /// the guard (a non-finite loss or gradient skips the update and leaves the weights unchanged),
+  /// AdamW. One host read (the non-finite flags, the loss and the gradient norm).
   supervised_stats step(const batch_type& batch) {
     const auto t0 = std::chrono::steady_clock::now();
     supervised_stats s;
     s.step = step_;
-    optimizer_->set_lr_multiplier(lr_multiplier(schedule(), step_));
-    s.learning_rate = optimizer_->learning_rate();
+    s.learning_rate = engine_.begin_step(step_);
     model_.train(true);
-    optimizer_->zero_grad();
-    const supervised_loss l = objective_.loss(model_, batch);
-    UNIRL_CHECK(l.total.defined() && l.total.numel() == 1, "supervised_trainer: the objective '", Objective::name,
-                "' returned a loss of ", l.total.defined() ? l.total.numel() : 0, " elements; expected one");
-    s.examples = l.examples;
-    s.tokens = l.tokens;
-    l.total.backward();
-    for (std::size_t g = 0; g < optimizer_->group_count(); ++g)
-      if (optimizer_->group_max_grad_norm(g) > 0)
-        clip_grads(optimizer_->group_params(g), grad_norm_tensor(optimizer_->group_params(g)),
-                   optimizer_->group_max_grad_norm(g));
-    const torch::Tensor norm = grad_norm_tensor(params_);
-    const torch::Tensor bad = stability_guard::nonfinite_grads(params_);
-    const auto loss = l.total.detach();
-    const auto f64 = [&](const torch::Tensor& x) { return x.to(device_, torch::kFloat64).reshape({}); };
-    const auto got = to_host(torch::stack({f64(torch::isfinite(loss).all()),
-                                           f64(bad.defined() ? bad : torch::zeros({}, torch::kBool)), f64(loss),
-                                           f64(norm)}));
-    s.loss = got.at(2);
-    s.grad_norm = got.at(3);
-    const bool loss_ok = got.at(0) != 0.0;
-    const bool spike = loss_ok && guard_.observe_loss(s.loss);
-    s.loss_spike = spike;
-    if (!loss_ok || (spike && opts_.guard.skip_loss_spikes)) {
-      skip(s, loss_ok ? "loss spike" : "non-finite loss");
-    } else if (got.at(1) != 0.0) {
-      skip(s, "non-finite gradient");
+    auto loss = [&](const batch_type& b, std::int64_t) {
+      supervised_loss l = objective_.loss(model_, b);
+      UNIRL_CHECK(l.total.defined() && l.total.numel() == 1, "supervised_trainer: the objective '", Objective::name,
+                  "' returned a loss of ", l.total.defined() ? l.total.numel() : 0, " elements; expected one");
+      return l;
+    };
+    auto normaliser = [&](const batch_type& b) -> torch::Tensor {
+      if constexpr (requires { { objective_.loss_normaliser(b) } -> std::convertible_to<torch::Tensor>; })
+        return objective_.loss_normaliser(b);
+      else
+        return torch::full({}, static_cast<double>(b.size()), torch::TensorOptions(torch::kFloat64).device(device_));
+    };
+    const auto r = engine_.step(batch, loss, normaliser);
+    s.examples = r.terms.examples;
+    s.tokens = r.terms.tokens;
+    s.loss = r.loss;
+    s.grad_norm = r.grad_norm;
+    s.loss_spike = r.loss_spike;
+    if (r.skipped) {
+      ++s.skipped_updates;
     } else {
-      if (opts_.clip.max_grad_norm > 0) clip_grads(params_, norm, opts_.clip.max_grad_norm);
-      s.grad_spike = guard_.observe_grad_norm(s.grad_norm);
-      optimizer_->step();
+      s.grad_spike = r.grad_spike;
       s.optimizer_steps = 1;
     }
-    optimizer_->zero_grad();
+    engine_.zero_grad();
+    if (engine_.parallel().world_size() > 1) {  // rank 0's buffers everywhere, as the RL trainer after each step
+      const named_tensors buffers = model_.named_buffers();
+      if (!buffers.empty()) engine_.parallel().broadcast(tensors_of(buffers), 0);
+    }
     s.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (s.seconds > 0) {
       s.examples_per_second = static_cast<double>(s.examples) / s.seconds;
       s.tokens_per_second = static_cast<double>(s.tokens) / s.seconds;
     }
-    s.skipped_total = guard_.skipped_total();
+    s.skipped_total = engine_.guard().skipped_total();
     ++step_;
     report(s);
     return s;
@@ -333,7 +341,7 @@ class supervised_trainer {
     r.first_step = step_;
     std::int64_t saved_at = r.resumed ? step_ : -1;
     auto save_now = [&] {
-      if (!dir) return;
+      if (!dir || engine_.parallel().rank() != 0) return;
       dir->save(step_, [&](const std::string& p) { save(p, extras...); });
       saved_at = step_;
     };
@@ -376,11 +384,7 @@ class supervised_trainer {
       write_scalar(a, "unirl.stage", std::string(Objective::name));
       a.write("unirl.step", torch::tensor(step_));
       save_tensors(a, "policy.", state());
-      torch::serialize::OutputArchive opt, guard;
-      optimizer_->save(opt);
-      a.write("optimizer", opt);
-      guard_.save(guard);
-      a.write("guard", guard);
+      engine_.save(a);  // optimizer, guard, loss scale
       save_rng(a);
       write_scalar(a, "options", ::unirl::options::to_json(opts_).dump());
       write_extras(a, extras...);
@@ -405,11 +409,7 @@ class supervised_trainer {
       a.read("unirl.step", t);
       const auto step = t.item<std::int64_t>();
       load_tensors(a, "policy.", state());
-      torch::serialize::InputArchive opt, guard;
-      a.read("optimizer", opt);
-      optimizer_->load(opt);
-      a.read("guard", guard);
-      guard_.load(guard);
+      engine_.load(a, "supervised_trainer::load");
       load_rng(a);
       read_extras(a, "supervised_trainer::load", extras...);
       step_ = step;
@@ -420,7 +420,9 @@ class supervised_trainer {
   Model& model() { return model_; }
   const Model& model() const { return model_; }
   Objective& objective() { return objective_; }
-  optimizer& optim() { return *optimizer_; }
+  optimizer& optim() { return engine_.optim(); }
+  /// The update engine (optimizer, schedule, guard, precision, micro-batches, parallel policy).
+  update_engine<Parallel>& engine() { return engine_; }
   const options& settings() const { return opts_; }
   std::int64_t step_count() const { return step_; }
   torch::Device device() const { return device_; }
@@ -439,20 +441,26 @@ class supervised_trainer {
     return all;
   }
 
-  schedule_options schedule() const {
-    auto s = opts_.schedule;
-    if (s.total_steps == 0) s.total_steps = opts_.steps;
-    return s;
+  static std::vector<torch::Tensor> tensors_of(const named_tensors& named) {
+    std::vector<torch::Tensor> ts;
+    for (const auto& [n, t] : named) {
+      (void)n;
+      ts.push_back(t);
+    }
+    return ts;
   }
 
-  void skip(supervised_stats& s, const char* why) {
-    ++s.skipped_updates;
-    guard_.count_skip();
-    std::cerr << "unirl: " << Objective::name << " step " << step_ << ": " << why
-              << "; optimizer step skipped, weights unchanged\n";
+  // What the engine is built with: the options' optimizer, schedule (its total_steps `steps` when
+  // 0), clipping, guard, precision, loss scale and micro-batch size; skips name the objective.
+  static update_options engine_options(const options& o) {
+    update_options e{o.optim, o.schedule, o.clip, o.guard, o.precision, o.loss_scale, o.micro_batch_size,
+                     std::string(Objective::name)};
+    if (e.schedule.total_steps == 0) e.schedule.total_steps = o.steps;
+    return e;
   }
 
   void report(const supervised_stats& s) {
+    if (engine_.parallel().rank() != 0) return;
     if (!opts_.metrics_path.empty() && !metrics_) metrics_.emplace(opts_.metrics_path, resumed_);
     if (metrics_) metrics_->write(s.to_json());
     if (!progress_) progress_.emplace(std::string(Objective::name), opts_.steps, opts_.progress);
@@ -463,9 +471,7 @@ class supervised_trainer {
   torch::Device device_;
   Model model_;
   Objective objective_;
-  stability_guard guard_;
-  std::vector<torch::Tensor> params_;
-  std::unique_ptr<optimizer> optimizer_;
+  update_engine<Parallel> engine_;  // parameters, optimizer, schedule, guard, precision, parallel policy
   std::optional<metrics_writer> metrics_;
   std::optional<detail::supervised_progress> progress_;
   std::int64_t step_ = 0;

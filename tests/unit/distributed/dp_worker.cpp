@@ -26,12 +26,14 @@
 #include <vector>
 
 #include <nlohmann/json.hpp>
+#include <unirl/models/gpt.hpp>
 #include <unirl/models/module_adapter.hpp>
 #include <unirl/parallel/c10d_transport.hpp>
 #include <unirl/parallel/colocated.hpp>
 #include <unirl/parallel/data_parallel.hpp>
 #include <unirl/parallel/reward_ranks.hpp>
 #include <unirl/parallel/rollout_worker.hpp>
+#include <unirl/train/sft.hpp>
 #include <unirl/trainer.hpp>
 
 #include "common/bandit.hpp"
@@ -205,7 +207,40 @@ nlohmann::json buffers(dp par) {
 }
 
 
+// SFT under data parallelism: rank r trains on rows [4r, 4r + 4) of a batch whose examples all
+// have 2 completion tokens (so the average of the ranks' token means is the whole batch's).
+unirl::train::sft_batch sft_dp_batch(std::int64_t step, std::int64_t world) {
+  std::vector<std::vector<std::int64_t>> prompts, completions;
+  for (std::int64_t i = 0; i < 4 * world; ++i) {
+    prompts.push_back({1 + (i + step) % 10, 11, 2 + (3 * i + step) % 9});
+    completions.push_back({1 + (i + 2 * step) % 12, 1 + (5 * i + step) % 12});
+  }
+  return unirl::train::make_sft_batch(prompts, completions, 0);
+}
+
+nlohmann::json sft_dp(dp par) {
+  const int rank = par.rank(), world = par.world_size();
+  torch::manual_seed(11 + rank);  // different weights per rank: the trainer must broadcast rank 0's
+  unirl::models::gpt model(unirl::models::gpt_options{.vocab_size = 14, .max_len = 12, .n_layer = 1, .n_head = 2,
+                                                      .d_model = 32});
+  unirl::train::sft_trainer<unirl::models::gpt, dp> t(
+      model, {.optim = {.lr = 1e-2}, .clip = {.max_grad_norm = 1.0}, .batch_size = 4, .steps = 3, .seed = 3,
+              .progress = false},
+      std::move(par));
+  nlohmann::json losses = nlohmann::json::array();
+  for (std::int64_t s = 0; s < 3; ++s)
+    losses.push_back(t.step(sft_dp_batch(s, world).select(torch::arange(4 * rank, 4 * rank + 4, torch::kInt64))).loss);
+  nlohmann::json params = nlohmann::json::object();
+  for (const auto& [name, p] : model.named_parameters()) {
+    auto c = p.detach().reshape({-1}).to(torch::kFloat64).contiguous();
+    params[name] = std::vector<double>(c.data_ptr<double>(), c.data_ptr<double>() + c.numel());
+  }
+  return {{"losses", losses}, {"params", params}};
+}
+
+
 // ---- the learner / sampler split ----
+
 
 using split_trainer = unirl::trainer<bandit::model, bandit::policy_gradient, bandit::correct_label>;
 using c10d_tr = unirl::parallel::c10d_transport<bandit::rollout>;
@@ -844,6 +879,7 @@ int main(int argc, char** argv) try {
   const nlohmann::json out = mode == "grads"                ? check_gradients(par)
                              : mode == "buffers"            ? buffers(std::move(par))
                              : mode == "split_learners_ref" ? split_learners_ref(std::move(par))
+                             : mode == "sft"                ? sft_dp(std::move(par))
                                                             : train(std::move(par));
   std::ofstream(std::string(argv[5]) + "." + std::to_string(rank) + ".json") << out.dump();
   return 0;

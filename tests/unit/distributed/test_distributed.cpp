@@ -21,7 +21,9 @@
 #include <thread>
 
 #include <nlohmann/json.hpp>
+#include <unirl/models/gpt.hpp>
 #include <unirl/parallel/wire.hpp>
+#include <unirl/train/sft.hpp>
 #include <unirl/rollout/env.hpp>
 #include <unirl/rollout/flow.hpp>
 #include <unirl/rollout/token.hpp>
@@ -142,6 +144,46 @@ TEST_CASE("gradients are averaged and weights broadcast across Gloo ranks", "[cp
       CHECK(res[r]["all_agree_true"].get<bool>());
       CHECK_FALSE(res[r]["all_agree_one_false"].get<bool>());
     }
+  }
+}
+
+TEST_CASE("sft_trainer over 2 data-parallel ranks trains what one process trains on both halves",
+          "[cpu][distributed][sft]") {
+  const auto res = run_workers("sft", 2, std::chrono::seconds(180));
+  // One process, the same initial weights (rank 0's), the whole batch each step.
+  torch::manual_seed(11);
+  unirl::models::gpt model(unirl::models::gpt_options{.vocab_size = 14, .max_len = 12, .n_layer = 1, .n_head = 2,
+                                                      .d_model = 32});
+  unirl::train::sft_trainer<unirl::models::gpt> one(
+      model, {.optim = {.lr = 1e-2}, .clip = {.max_grad_norm = 1.0}, .batch_size = 8, .steps = 3, .seed = 3,
+              .progress = false});
+  for (std::int64_t s = 0; s < 3; ++s) {
+    std::vector<std::vector<std::int64_t>> prompts, completions;
+    for (std::int64_t i = 0; i < 8; ++i) {
+      prompts.push_back({1 + (i + s) % 10, 11, 2 + (3 * i + s) % 9});
+      completions.push_back({1 + (i + 2 * s) % 12, 1 + (5 * i + s) % 12});
+    }
+    const double whole = one.step(unirl::train::make_sft_batch(prompts, completions, 0)).loss;
+    const double mean_of_ranks =
+        0.5 * (res[0]["losses"][s].get<double>() + res[1]["losses"][s].get<double>());
+    INFO("step " << s << ": one process " << whole << ", mean of the ranks' losses " << mean_of_ranks);
+    CHECK(mean_of_ranks == Approx(whole).epsilon(1e-5));
+  }
+  CHECK(res[0]["params"] == res[1]["params"]);  // the ranks stay identical
+  const auto p0 = model.named_parameters();
+  REQUIRE(res[0]["params"].size() == p0.size());
+  for (const auto& [name, p] : p0) {
+    INFO(name);
+    auto mine = p.detach().reshape({-1}).to(torch::kFloat64);
+    auto theirs = torch::tensor(res[0]["params"][name].get<std::vector<double>>(), torch::kFloat64);
+    if (name.ends_with("qkv.bias")) {
+      // The key bias gets no gradient (the softmax over keys is invariant to it): AdamW turns the
+      // float noise of either run into steps of up to lr; the query and value biases are compared.
+      mine = torch::cat({mine.slice(0, 0, 32), mine.slice(0, 64, 96)});
+      theirs = torch::cat({theirs.slice(0, 0, 32), theirs.slice(0, 64, 96)});
+    }
+    INFO("largest weight difference to one process: " << (mine - theirs).abs().max().item<double>());
+    CHECK(torch::allclose(theirs, mine, 1e-4, 1e-5));
   }
 }
 

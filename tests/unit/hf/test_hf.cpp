@@ -776,7 +776,15 @@ TEST_CASE("lora: GRPO trains only the adapters, the base stays bit-identical, th
       }
     CHECK(held == lora_params.size());
   }
-  for (int s = 0; s < 2; ++s) CHECK(std::isfinite(t.step(in).loss));
+  {  // the KL to the reference: exactly 0 before any update (zero-initialised B: the policy is the base),
+     // > 0 after one — it would stay 0 if the algorithm scored the reference with the adapters on
+    const auto first = t.step(in), second = t.step(in);
+    CHECK(std::isfinite(first.loss));
+    CHECK(std::isfinite(second.loss));
+    INFO("KL to the LoRA reference: " << first.kl << " before any update, " << second.kl << " after one");
+    CHECK(std::abs(first.kl) < 1e-9);
+    CHECK(second.kl > 1e-6);
+  }
   t.save((tmp.path / "step2.pt").string());
   for (int s = 0; s < 2; ++s) t.step(in);
   {  // base weights bit-identical, adapters moved (B away from zero)
