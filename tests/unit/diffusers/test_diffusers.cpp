@@ -156,6 +156,13 @@ TEST_CASE("CLIP tokenizers and text encoders equal the reference", "[diffusers][
   const auto [ctx, pooled] = p.encode_prompts(prompts);
   check_close(ctx, expected("prompt_embeds"), "prompt_embeds (CLIP-L | CLIP-G, padded; zero T5 tokens)");
   check_close(pooled, expected("pooled_embeds"), "pooled_prompt_embeds");
+  // The id range is checked with one counted read, and an id past the vocabulary is named.
+  const auto reads = unirl::host_reads();
+  (void)p.text_encoder->encode(expected("ids_1"));
+  CHECK(unirl::host_reads() - reads == 1);
+  const auto vocab = p.text_encoder->config().vocab_size;
+  CHECK_THAT(error_of([&] { (void)p.text_encoder->encode(torch::tensor({{std::int64_t{0}, vocab}}, torch::kInt64)); }),
+             Catch::Contains("token ids in [0, " + std::to_string(vocab) + "]"));
 }
 
 TEST_CASE("SD3 transformer equals the reference (square and wide latents)", "[diffusers][cpu]") {

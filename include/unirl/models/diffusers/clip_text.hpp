@@ -40,6 +40,7 @@
 #include <torch/torch.h>
 
 #include <unirl/core/error.hpp>
+#include <unirl/core/host.hpp>
 #include <unirl/models/activation_checkpoint.hpp>
 #include <unirl/models/diffusers/config.hpp>
 #include <unirl/models/vision/clip.hpp>
@@ -352,8 +353,12 @@ class clip_text_encoder_impl : public torch::nn::Cloneable<clip_text_encoder_imp
                     ids.size(1) <= c_.max_position_embeddings,
                 "diffusers::clip_text_encoder: ids of sizes ", ids.sizes(), " ", ids.dtype(),
                 ": expected (B, L) integers with 1 <= L <= max_position_embeddings = ", c_.max_position_embeddings);
-    UNIRL_CHECK(ids.numel() == 0 || (ids.min().item<std::int64_t>() >= 0 && ids.max().item<std::int64_t>() < c_.vocab_size),
-                "diffusers::clip_text_encoder: token id outside [0, vocab_size = ", c_.vocab_size, ")");
+    if (ids.numel() > 0) {  // one counted read for both bounds, naming the offending range
+      const auto range = to_host(torch::stack({ids.min(), ids.max()}));
+      UNIRL_CHECK(range[0] >= 0 && range[1] < c_.vocab_size, "diffusers::clip_text_encoder: token ids in [",
+                  static_cast<std::int64_t>(range[0]), ", ", static_cast<std::int64_t>(range[1]),
+                  "]: expected [0, vocab_size = ", c_.vocab_size, ")");
+    }
     const auto L = ids.size(1);
     const auto tm = text_model.ptr();
     auto x = tm->embeddings->forward(ids.to(torch::kInt64));

@@ -32,6 +32,7 @@
 #include <torch/torch.h>
 
 #include <unirl/core/error.hpp>
+#include <unirl/core/host.hpp>
 #include <unirl/io/safetensors.hpp>
 #include <unirl/models/diffusers/config.hpp>
 
@@ -286,7 +287,9 @@ class t5_encoder_impl : public torch::nn::Cloneable<t5_encoder_impl> {
   torch::Tensor forward(const torch::Tensor& ids) {
     UNIRL_CHECK(ids.dim() == 2 && !ids.is_floating_point(), "t5_encoder: ids of sizes ", ids.sizes(), " ", ids.dtype(),
                 ": expected (B, L) integer token ids");
-    const auto lo = ids.min().item<std::int64_t>(), hi = ids.max().item<std::int64_t>();
+    UNIRL_CHECK(ids.numel() > 0, "t5_encoder: ids of sizes ", ids.sizes(), ": expected at least one token");
+    const auto range = to_host(torch::stack({ids.min(), ids.max()}));  // one counted read for both bounds
+    const auto lo = static_cast<std::int64_t>(range[0]), hi = static_cast<std::int64_t>(range[1]);
     UNIRL_CHECK(lo >= 0 && hi < c_.vocab_size, "t5_encoder: token ids in [", lo, ", ", hi, "]: expected [0, ",
                 c_.vocab_size, ")");
     return encoder->forward(shared->forward(ids.to(torch::kLong)));
