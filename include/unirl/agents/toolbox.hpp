@@ -416,13 +416,11 @@ class toolbox {
       if (i++ != index) return;
       const auto* tool = &t;
       using T = std::remove_cvref_t<decltype(t)>;
-      f = [tool, args = std::move(args)](std::stop_token st) -> std::string {
-        if constexpr (StoppableTool<T>) return std::string(tool->call(args, st));
-        else {
-          (void)st;
-          return std::string(tool->call(args));
-        }
-      };
+      // One lambda per kind of tool: GCC 12 warns of a missing return on an `if constexpr` inside one.
+      if constexpr (StoppableTool<T>)
+        f = [tool, args = std::move(args)](std::stop_token st) { return std::string(tool->call(args, st)); };
+      else
+        f = [tool, args = std::move(args)](std::stop_token) { return std::string(tool->call(args)); };
     });
     return f;
   }
