@@ -16,6 +16,7 @@
 /// ```
 #include <algorithm>
 #include <cstdint>
+#include <iterator>
 #include <map>
 #include <string>
 #include <vector>
@@ -28,6 +29,7 @@
 #include <unirl/algorithms/grpo.hpp>
 #include <unirl/concepts/causal_lm.hpp>
 #include <unirl/core/error.hpp>
+#include <unirl/core/host.hpp>
 #include <unirl/core/options.hpp>
 #include <unirl/core/stats.hpp>
 #include <unirl/rollout/token_logprob.hpp>
@@ -194,13 +196,18 @@ class episode_grpo {
     const auto groups = B / group;
     const auto mbs = std::min(o_.minibatches, groups);
     std::int64_t updates = 0;
+    // The minibatch statistics stay on the device, summed, and are read once after the epochs.
+    static constexpr const char* stat_names[] = {"loss", "policy_loss", "kl", "entropy", "ratio_mean", "clip_fraction"};
+    torch::Tensor stat_sums;
+    double grad_norm_sum = 0.0;
     for (std::int64_t ep = 0; ep < o_.epochs; ++ep) {
-      const auto perm = torch::randperm(groups, torch::kInt64);
+      const auto perm = torch::randperm(groups, torch::kInt64);  // a host tensor: no device read
+      const auto* order = perm.data_ptr<std::int64_t>();
       for (std::int64_t m = 0; m < mbs; ++m) {
         const auto lo = m * groups / mbs, hi = (m + 1) * groups / mbs;
         std::vector<std::int64_t> rows;
         for (std::int64_t g = lo; g < hi; ++g)
-          for (std::int64_t k = 0; k < group; ++k) rows.push_back(perm[g].item<std::int64_t>() * group + k);
+          for (std::int64_t k = 0; k < group; ++k) rows.push_back(order[g] * group + k);
         const auto idx = torch::tensor(rows, torch::kInt64);
         const episode_batch mb{all.ids.index_select(0, idx), all.mask.index_select(0, idx),
                                all.policy_mask.index_select(0, idx), all.old_logp.index_select(0, idx),
@@ -215,20 +222,27 @@ class episode_grpo {
         }
         optim_.step();
         ++updates;
-        s["loss"] += static_cast<double>(scalar_stat(terms.total));
-        s["policy_loss"] += static_cast<double>(terms.policy);
-        s["kl"] += static_cast<double>(terms.kl);
-        s["entropy"] += static_cast<double>(terms.entropy);
-        s["ratio_mean"] += static_cast<double>(terms.ratio_mean);
-        s["clip_fraction"] += static_cast<double>(terms.clip_fraction);
-        s["grad_norm"] += norm;
+        const auto dev = terms.total.device();
+        const auto as_tensor = [&](const scalar_stat& x) {
+          return x.value.defined() ? x.value.detach().to(dev, torch::kDouble)
+                                   : torch::tensor(x.fallback, torch::TensorOptions().dtype(torch::kDouble).device(dev));
+        };
+        const auto row = torch::stack({as_tensor(scalar_stat(terms.total)), as_tensor(terms.policy), as_tensor(terms.kl),
+                                       as_tensor(terms.entropy), as_tensor(terms.ratio_mean),
+                                       as_tensor(terms.clip_fraction)});
+        stat_sums = stat_sums.defined() ? stat_sums + row : row;
+        grad_norm_sum += norm;
       }
     }
-    for (const auto* k : {"loss", "policy_loss", "kl", "entropy", "ratio_mean", "clip_fraction", "grad_norm"})
-      if (updates > 0) s[k] /= static_cast<double>(updates);
+    const auto tail = torch::stack({all.rewards.mean().to(torch::kDouble), all.policy_mask.sum().to(torch::kDouble)});
+    const auto read = to_host(stat_sums.defined() ? torch::cat({stat_sums.to(tail.device()), tail}) : tail);  // one read
+    const std::size_t n_stats = std::size(stat_names);
+    for (std::size_t i = 0; i < n_stats; ++i)
+      s[stat_names[i]] = updates > 0 && stat_sums.defined() ? read[i] / static_cast<double>(updates) : 0.0;
+    s["grad_norm"] = updates > 0 ? grad_norm_sum / static_cast<double>(updates) : 0.0;
     s["updates"] = static_cast<double>(updates);
-    s["reward_mean"] = all.rewards.mean().item<double>();
-    s["policy_tokens"] = all.policy_mask.sum().item<double>();
+    s["reward_mean"] = read[read.size() - 2];
+    s["policy_tokens"] = read[read.size() - 1];
     model_.train(false);
     return s;
   }
