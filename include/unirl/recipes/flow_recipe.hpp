@@ -41,6 +41,7 @@
 
 #include <unirl/algorithms/flow_grpo.hpp>
 #include <unirl/core/error.hpp>
+#include <unirl/core/host.hpp>
 #include <unirl/core/options.hpp>
 #include <unirl/core/signals.hpp>
 #include <unirl/models/diffusers/sd3.hpp>
@@ -275,7 +276,7 @@ inline std::optional<double> eval_reward(flow_model_type& m, image_reward& rewar
   const auto labels = torch::arange(prompts, torch::kInt64).repeat_interleave(r.eval_samples).to(dev);
   const auto& s = r.flow_grpo.sampler;
   const auto b = sample_trajectory(ode::euler({.steps = s.steps, .shift = s.shift}), m, labels, noise);
-  return reward(b).mean().item<double>();
+  return to_host(reward(b).mean()).front();  // the evaluation's one read, counted
 }
 
 inline nlohmann::json optional_json(const std::optional<double>& v) {
