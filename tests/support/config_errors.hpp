@@ -1,5 +1,8 @@
 #pragma once
-// Test helper: the key and message of the unirl::config_error a construction throws.
+// Test helpers: the key and message of the unirl::config_error a construction throws, and the
+// message of any exception a call throws.
+#include <exception>
+#include <functional>
 #include <string>
 #include <utility>
 
@@ -16,6 +19,16 @@ std::pair<std::string, std::string> config_error_of(Build&& build) {
     return {e.key(), e.what()};
   }
   return {"(nothing thrown)", ""};
+}
+
+/// Runs `f`; returns the `what()` of the std::exception it throws, or "" when it throws none.
+inline std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
 }
 
 }  // namespace unirl_test

@@ -13,6 +13,8 @@
 #include <unirl/models/gpt.hpp>
 #include <unirl/train/sft.hpp>
 
+#include "config_errors.hpp"
+
 namespace {
 struct temp_dir {
   std::filesystem::path path;
@@ -29,14 +31,7 @@ struct temp_dir {
   }
 };
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "";
-}
+using unirl_test::error_of;
 }  // namespace
 
 TEST_CASE("jsonl: records with text, chat messages, nested keys and numeric answers", "[cpu]") {

@@ -33,6 +33,7 @@
 #include <unirl/rollout/flow_samplers.hpp>
 #include <unirl/trainer.hpp>
 
+#include "config_errors.hpp"
 #include "fixture_files.hpp"
 #include "weights.hpp"
 
@@ -67,14 +68,7 @@ void check_close(const torch::Tensor& got, const torch::Tensor& want, const std:
   CHECK(diff <= 1e-5 * scale);
 }
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "";
-}
+using unirl_test::error_of;
 
 nlohmann::json read(const std::filesystem::path& f) {
   nlohmann::json j;
