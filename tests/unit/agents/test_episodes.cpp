@@ -399,6 +399,31 @@ TEST_CASE("episode GRPO: the loss is GRPO's on the policy tokens only, per token
 }
 
 namespace {
+// Rollouts of 16 tasks a step (seeds step * 100 + i, `group` episodes each) and `update` on
+// them until the mean reward passes `goal` or `steps` run out: the first and the last mean reward.
+template <class Env, class Update>
+std::pair<double, double> train_until(const steered_gpt& model, const Env& env, std::int64_t group, const agent_text& io,
+                                      const agent_options& o, int steps, double goal, Update&& update) {
+  std::vector<std::uint64_t> seeds(16);
+  double first = -1, last = 0;
+  torch::manual_seed(1);
+  for (int step = 0; step < steps; ++step) {
+    for (std::size_t i = 0; i < seeds.size(); ++i) seeds[i] = static_cast<std::uint64_t>(step * 100 + i);
+    episodes_result out;
+    {
+      torch::NoGradGuard ng;
+      out = run_episodes(model, env, seeds, group, io, o);
+    }
+    last = out.stats.at("reward_mean");
+    if (first < 0) first = last;
+    if (last > goal) break;
+    update(out);
+  }
+  return {first, last};
+}
+}  // namespace
+
+namespace {
 // Scores 1 when the answer starts with a digit.
 struct digit_env {
   text_observation reset(std::uint64_t) { return {.text = "Say a digit."}; }
@@ -415,24 +440,14 @@ TEST_CASE("episode GRPO: a policy learns from episode rewards (the rollout on th
   std::int64_t encodes = 0;
   const auto io = text.io(&encodes);
   episode_grpo<steered_gpt> learner{model, {.algorithm = {.agg = algo::loss_agg::token_mean}, .optim = {.lr = 1e-2}}};
-  std::vector<std::uint64_t> seeds(16);
-  double first = -1, last = 0;
-  torch::manual_seed(1);
-  for (int step = 0; step < 30; ++step) {
-    for (std::size_t i = 0; i < seeds.size(); ++i) seeds[i] = static_cast<std::uint64_t>(step * 100 + i);
-    episodes_result out;
-    {
-      torch::NoGradGuard ng;
-      out = run_episodes(model, digit_env{}, seeds, 8, io,
-                         {.format = tokenizers::chat_format::plain, .max_turns = 1, .max_turn_tokens = 2, .max_episode_tokens = 40});
-    }
-    last = out.stats.at("reward_mean");
-    if (first < 0) first = last;
-    if (last > 0.8) break;
-    const auto s = learner.step(out.episodes, 8, text.tok.pad_id());
-    CHECK(s.at("updates") == 1.0);
-    CHECK(s.at("ratio_mean") == Approx(1.0).margin(1e-9));  // pi_old at the update's geometry
-  }
+  const auto [first, last] = train_until(
+      model, digit_env{}, 8, io,
+      {.format = tokenizers::chat_format::plain, .max_turns = 1, .max_turn_tokens = 2, .max_episode_tokens = 40}, 30, 0.8,
+      [&](const episodes_result& out) {
+        const auto s = learner.step(out.episodes, 8, text.tok.pad_id());
+        CHECK(s.at("updates") == 1.0);
+        CHECK(s.at("ratio_mean") == Approx(1.0).margin(1e-9));  // pi_old at the update's geometry
+      });
   CHECK(first < 0.3);
   CHECK(last > 0.8);
 }
@@ -589,25 +604,15 @@ TEST_CASE("episode PPO: the return of a two-turn episode improves (critic and GA
   const auto io = text.io(&encodes);
   episode_ppo<steered_gpt> learner{model, {.algorithm = {.ent_coef = 0.0, .gamma = 1.0, .lambda = 0.95},
                                            .optim = {.lr = 1e-2}, .epochs = 2}};
-  std::vector<std::uint64_t> seeds(16);
-  double first = -1, last = 0;
-  torch::manual_seed(1);
-  for (int step = 0; step < 40; ++step) {
-    for (std::size_t i = 0; i < seeds.size(); ++i) seeds[i] = static_cast<std::uint64_t>(step * 100 + i);
-    episodes_result out;
-    {
-      torch::NoGradGuard ng;
-      out = run_episodes(model, digit_turns_env{}, seeds, 1, io,
-                         {.format = chat_format::plain, .max_turns = 2, .max_turn_tokens = 3, .max_episode_tokens = 90});
-    }
-    CHECK(out.stats.at("turns_mean") == 2.0);
-    last = out.stats.at("reward_mean");
-    if (first < 0) first = last;
-    if (last > 0.85) break;
-    const auto s = learner.step(out.episodes, text.tok.pad_id());
-    CHECK(s.at("updates") == 2.0);
-    CHECK(std::isfinite(s.at("value_loss")));
-  }
+  const auto [first, last] = train_until(
+      model, digit_turns_env{}, 1, io,
+      {.format = chat_format::plain, .max_turns = 2, .max_turn_tokens = 3, .max_episode_tokens = 90}, 40, 0.85,
+      [&](const episodes_result& out) {
+        CHECK(out.stats.at("turns_mean") == 2.0);
+        const auto s = learner.step(out.episodes, text.tok.pad_id());
+        CHECK(s.at("updates") == 2.0);
+        CHECK(std::isfinite(s.at("value_loss")));
+      });
   CHECK(first < 0.3);
   CHECK(last > 0.85);
 }
