@@ -9,13 +9,11 @@
 //   calculator_tool [--out DIR] [--recipe FILE] [key=value ...]     e.g. rl_steps=60 sft_steps=1200
 #include <chrono>
 #include <cstdint>
-#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <iomanip>
 #include <iostream>
 #include <random>
-#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -52,67 +50,10 @@ BOOST_HANA_ADAPT_STRUCT(example_options, sft_steps, sft_batch, sft_lr, demo_tool
                         group_size, heldout, d_model, n_layer, seed, rl);
 
 namespace {
-// Integers with + - * (multiplication first), e.g. "347*58+1". Untrusted text: anything else,
-// an operand of more than 12 digits or a result beyond 1e15 is an error naming the position.
-std::int64_t evaluate(const std::string& e) {
-  std::size_t i = 0;
-  auto number = [&] {
-    const auto start = i;
-    std::int64_t v = 0;
-    while (i < e.size() && e[i] >= '0' && e[i] <= '9' && i - start < 12) v = v * 10 + (e[i++] - '0');
-    if (i == start) throw std::invalid_argument("expected a number at position " + std::to_string(i) + " of '" + e + "'");
-    if (i < e.size() && e[i] >= '0' && e[i] <= '9') throw std::invalid_argument("a number of more than 12 digits");
-    return v;
-  };
-  auto term = [&] {
-    std::int64_t v = number();
-    while (i < e.size() && e[i] == '*') {
-      ++i;
-      const auto w = number();
-      if (w != 0 && std::abs(v) > 1'000'000'000'000'000 / w) throw std::invalid_argument("the result is too large");
-      v *= w;
-    }
-    return v;
-  };
-  std::int64_t v = term();
-  while (i < e.size() && (e[i] == '+' || e[i] == '-')) {
-    const char op = e[i++];
-    v = op == '+' ? v + term() : v - term();
-  }
-  if (i != e.size()) throw std::invalid_argument("unexpected '" + std::string(1, e[i]) + "' at position " + std::to_string(i));
-  return v;
-}
-
-struct calculator {
-  std::string name() const { return "calculator"; }
-  std::string description() const { return "Evaluates an integer expression with + - *."; }
-  json parameters() const {
-    return {{"type", "object"},
-            {"properties", {{"expression", {{"type", "string"}, {"maxLength", 32}}}}},
-            {"required", {"expression"}},
-            {"additionalProperties", false}};
-  }
-  std::string call(const json& args) const { return std::to_string(evaluate(args["expression"].get<std::string>())); }
-};
-
-// "What is A*B?" with A of 3 digits and B of 2, drawn from the seed; the final answer scores 1.
-struct multiplication_env {
-  std::string expression;
-  std::int64_t answer = 0;
-  unirl::text_observation reset(std::uint64_t seed) {
-    std::mt19937_64 g(seed);
-    const auto a = std::uniform_int_distribution<std::int64_t>(100, 999)(g);
-    const auto b = std::uniform_int_distribution<std::int64_t>(10, 99)(g);
-    expression = std::to_string(a) + "*" + std::to_string(b);
-    answer = a * b;
-    return {.text = "What is " + expression + "?"};
-  }
-  unirl::text_step step(const std::string& text) {
-    auto t = text;
-    while (!t.empty() && (t.back() == '\n' || t.back() == ' ')) t.pop_back();
-    return {.reward = t == std::to_string(answer) ? 1.0 : 0.0, .done = true};
-  }
-};
+// The tool and the environment are the library's built-ins (agents/builtin.hpp): `calculator`
+// and `arithmetic_env` ("What is A*B?", A of 3 digits and B of 2; the final answer scores 1).
+using ua::arithmetic_env;
+using ua::calculator;
 
 std::string printable_ascii() {
   std::string s = "\n";
@@ -125,7 +66,7 @@ constexpr auto format = ut::chat_format::plain;
 // A demonstration as a trajectory: the prompt and the tool's reply are context, the two answers
 // (a call, then the result) or the one direct answer are the policy's.
 ua::trajectory demonstration(const unirl::models::char_tokenizer& tok, std::uint64_t seed, bool use_tool) {
-  multiplication_env env;
+  arithmetic_env env;
   const auto obs = env.reset(seed);
   ua::trajectory t;
   auto policy = [&](const std::string& s) {
@@ -150,7 +91,7 @@ template <class Tools>
 evaluation evaluate_policy(const unirl::models::gpt& model, Tools& tools, const ua::agent_text& text,
                            const std::vector<std::uint64_t>& seeds) {
   torch::NoGradGuard ng;
-  const auto out = ua::run_episodes(model, multiplication_env{}, seeds, 1, tools, text,
+  const auto out = ua::run_episodes(model, arithmetic_env{}, seeds, 1, tools, text,
                                     {.format = format, .max_turns = 3, .max_turn_tokens = 96, .max_episode_tokens = 190,
                                      .sampling = {.temperature = 0.0}});
   return {out.stats.at("reward_mean"), out.stats.at("tool_call_rate"), out.stats.at("turns_mean")};
@@ -214,7 +155,7 @@ int main(int argc, char** argv) try {
     ua::episodes_result out;
     {
       torch::NoGradGuard ng;
-      out = ua::run_episodes(model, multiplication_env{}, seeds, opt.group_size, tools, text,
+      out = ua::run_episodes(model, arithmetic_env{}, seeds, opt.group_size, tools, text,
                              {.format = format, .max_turns = 3, .max_turn_tokens = 96, .max_episode_tokens = 190});
     }
     episodes_per_second = out.stats.at("episodes_per_second");

@@ -2,8 +2,8 @@
 /// \file multi_turn.hpp
 /// Multi-turn language agents (docs/agents.md): the text-environment and tool concepts, the
 /// tool-call parser, toolboxes composed at compile time, trajectories with a policy mask,
-/// multi-turn rollouts on the rollout engine (tools run while other sequences decode), and GRPO
-/// over episodes. (The env track's PPO agent is `agent.hpp`.)
+/// multi-turn rollouts on the rollout engine (tools run while other sequences decode), GRPO
+/// over episodes and PPO with GAE over the policy tokens. (The env track's PPO agent is `agent.hpp`.)
 ///
 /// ```cpp
 /// #include <unirl/multi_turn.hpp>
@@ -12,7 +12,9 @@
 /// unirl::agents::episode_grpo<unirl::models::gpt> learner{model, {.optim = {.lr = 1e-3}}};
 /// auto stats = learner.step(out.episodes, 8, pad_id);
 /// ```
+#include <unirl/agents/builtin.hpp>
 #include <unirl/agents/episode_grpo.hpp>
+#include <unirl/agents/episode_ppo.hpp>
 #include <unirl/agents/rollout.hpp>
 #include <unirl/agents/tool_call.hpp>
 #include <unirl/agents/toolbox.hpp>

@@ -12,6 +12,7 @@
 #include <unirl/token.hpp>
 #include <unirl/models/hf/pretrained.hpp>
 #include <unirl/models/lora.hpp>
+#include <unirl/multi_turn.hpp>
 #include <unirl/recipes/flow_recipe.hpp>
 #include <unirl/recipes/token_recipe.hpp>
 #include <unirl/train/flow_matching.hpp>
@@ -110,6 +111,14 @@ static_assert(reflects_every_member<unirl::recipes::reward_recipe>);
 static_assert(reflects_every_member<unirl::recipes::checkpoint_recipe>);
 static_assert(reflects_every_member<unirl::recipes::flow_recipe>);
 static_assert(reflects_every_member<unirl::recipes::image_reward_recipe>);
+static_assert(reflects_every_member<unirl::recipes::environment_recipe>);
+
+// multi-turn agents
+static_assert(reflects_every_member<unirl::agents::agent_options>);
+static_assert(reflects_every_member<unirl::agents::toolbox_options>);
+static_assert(reflects_every_member<unirl::agents::tool_call_limits>);
+static_assert(reflects_every_member<unirl::agents::episode_grpo_options>);
+static_assert(reflects_every_member<unirl::agents::episode_ppo_options>);
 
 // vision-language models
 static_assert(reflects_every_member<unirl::models::vlm::vlm_options>);

@@ -10,7 +10,9 @@
 # help:       --help describes every settable key (type, allowed values) and hides fixed ones;
 #             --print-recipe needs no model;
 # format:     the export records its prompt format and a run on it uses that by default;
-# greedy:     sampling.temperature = 0 is greedy: the same completions as top_k = 1.
+# greedy:     sampling.temperature = 0 is greedy: the same completions as top_k = 1;
+# agents:     environment / tools names checked before any work (the known ones listed), a
+#             multi-turn run trains with grpo and ppo (environment.name, tools).
 foreach(v TOOL RECIPE WORK CASE)
   if(NOT DEFINED ${v})
     message(FATAL_ERROR "${v} is not set")
@@ -298,7 +300,52 @@ elseif(CASE STREQUAL "greedy")
     string(JSON vb GET "${rb}" ${k})
     expect("${k}: ${va} at temperature 0, ${vb} at top_k 1" va EQUAL vb)
   endforeach()
+elseif(CASE STREQUAL "agents")
+  # Names checked before any work: an unknown environment or tool lists the known ones; tools
+  # without an environment, keys a multi-turn run does not read, and the tools' definitions that
+  # leave the fixture's 64-token context no room for a turn are errors naming the key.
+  set(agent environment.name=arithmetic environment.max_turns=2 environment.max_turn_tokens=8 ${quick})
+  run(a steps=1 out=${WORK}/a environment.name=sokoban ${quick})
+  expect("an unknown environment was not named with the known ones:\n${a}" NOT a MATCHES "^0\n"
+         AND a MATCHES "environment.name.: unknown environment 'sokoban'. the built-in environments are arithmetic")
+  run(b steps=1 out=${WORK}/b ${agent} tools=calculator,browser)
+  expect("an unknown tool was not named with the known ones:\n${b}" NOT b MATCHES "^0\n"
+         AND b MATCHES "tools.: unknown tool 'browser'. the built-in tools are calculator")
+  run(c steps=1 out=${WORK}/c tools=calculator ${quick})
+  expect("tools without an environment were accepted:\n${c}" NOT c MATCHES "^0\n" AND c MATCHES "no environment.name is set")
+  run(d steps=1 out=${WORK}/d ${agent} sft.steps=2)
+  expect("a key a multi-turn run does not read was accepted:\n${d}" NOT d MATCHES "^0\n"
+         AND d MATCHES "sft.steps.: is set, but a multi-turn run")
+  run(e steps=1 out=${WORK}/e ${agent} tools=calculator)
+  expect("a prompt past the context was not found in pre-flight:\n${e}" NOT e MATCHES "^0\n"
+         AND e MATCHES "environment.max_episode_tokens.: the first prompt of the environment 'arithmetic' .task seed 0. is [0-9]+ tokens with the tools' definitions"
+         AND e MATCHES "the model's context = 64")
+  foreach(v a b c d e)
+    expect("pre-flight ran after work had started (${v})" NOT EXISTS "${WORK}/${v}/metrics.jsonl")
+  endforeach()
+  # Both learners train from the command line: one metrics row per step, the rollout's and the
+  # update's figures in it, the held-out mean return before and after in summary.json.
+  foreach(alg grpo ppo)
+    run(r steps=2 out=${WORK}/${alg} algorithm=${alg} group_size=4 prompts_per_step=2 environment.heldout=4 ${agent})
+    expect("algorithm=${alg} did not train a multi-turn agent:\n${r}" r MATCHES "^0\n"
+           AND r MATCHES "2 steps .from step 0." AND r MATCHES "held-out mean return")
+    expect_steps("${WORK}/${alg}/metrics.jsonl" 2)
+    file(STRINGS "${WORK}/${alg}/metrics.jsonl" rows)
+    list(GET rows 0 row)
+    string(JSON episodes GET "${row}" "rollout/episodes")
+    string(JSON turns GET "${row}" "rollout/turns_mean")
+    string(JSON loss GET "${row}" loss)
+    expect("${alg}: the row has ${episodes} episodes (expected 8)" episodes EQUAL 8)
+    if(alg STREQUAL "ppo")
+      string(JSON vl GET "${row}" value_loss)
+      expect("ppo: the value loss in the metrics is ${vl}" vl MATCHES "^-?[0-9]")
+    endif()
+    file(READ "${WORK}/${alg}/summary.json" sj)
+    string(JSON before GET "${sj}" accuracy_before)
+    string(JSON after GET "${sj}" accuracy_after)
+    expect("${alg}: held-out return ${before} -> ${after}" before GREATER_EQUAL 0 AND after GREATER_EQUAL 0)
+  endforeach()
 else()
-  message(FATAL_ERROR "CASE = ${CASE}: expected algorithms, preflight, export, device, signal, help, format or greedy")
+  message(FATAL_ERROR "CASE = ${CASE}: expected algorithms, preflight, export, device, signal, help, format, greedy or agents")
 endif()
 message(STATUS "unirl-train ${CASE}: ok")

@@ -74,8 +74,11 @@ int main(int argc, char** argv) try {
             << " s (SFT " << res.seconds_sft << " s, RL " << res.seconds_rl << " s, eval " << res.seconds_eval
             << " s); reward " << std::setprecision(3) << res.reward_first << " -> " << res.reward_last;
   if (res.accuracy_before >= 0 || res.accuracy_after >= 0)
-    std::cout << std::setprecision(1) << "; held-out accuracy " << 100 * res.accuracy_before << "% -> "
-              << 100 * res.accuracy_after << "%";
+    if (r.environment.name.empty())
+      std::cout << std::setprecision(1) << "; held-out accuracy " << 100 * res.accuracy_before << "% -> "
+                << 100 * res.accuracy_after << "%";
+    else  // a multi-turn run: the environment's mean return over the held-out tasks
+      std::cout << "; held-out mean return " << res.accuracy_before << " -> " << res.accuracy_after;
   if (!res.export_dir.empty()) std::cout << "; exported to " << res.export_dir;
   std::cout << "\n";
   return 0;

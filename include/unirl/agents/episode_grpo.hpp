@@ -16,7 +16,7 @@
 /// ```
 #include <algorithm>
 #include <cstdint>
-#include <iterator>
+#include <cmath>
 #include <map>
 #include <string>
 #include <vector>
@@ -106,6 +106,77 @@ std::pair<torch::Tensor, torch::Tensor> episode_logprob(const M& model, const ep
   return rollout::token_logprob(logits, ids.slice(1, 1, L), temperature, with_entropy);
 }
 
+namespace detail {
+// The rows `idx` of `b`.
+inline episode_batch select_episodes(const episode_batch& b, const torch::Tensor& idx) {
+  return {b.ids.index_select(0, idx), b.mask.index_select(0, idx), b.policy_mask.index_select(0, idx),
+          b.old_logp.index_select(0, idx), b.rewards.index_select(0, idx)};
+}
+
+// `epochs` x `minibatches` optimizer updates over `units` units of `unit` contiguous episodes
+// (GRPO: groups of one task; PPO: single episodes), each minibatch whole units, in a fresh random
+// order every epoch. `loss(rows)` gives a minibatch's loss terms; `params` are clipped to
+// `max_grad_norm`. The figures of every update are summed on the device and read once, together
+// with `tail` (whose values are returned); their means go into `s` under `names` (of the loss
+// terms: loss, policy_loss, value_loss, kl, entropy, ratio_mean, clip_fraction), with grad_norm,
+// updates and skipped_updates.
+template <class Loss>
+std::vector<double> run_episode_updates(train::optimizer& optim, const std::vector<torch::Tensor>& params,
+                                        double max_grad_norm, std::int64_t epochs, std::int64_t minibatches,
+                                        std::int64_t units, std::int64_t unit, Loss&& loss,
+                                        const std::vector<torch::Tensor>& tail, const std::vector<std::string>& names,
+                                        std::map<std::string, double>& s) {
+  const auto mbs = std::min(minibatches, units);
+  std::int64_t updates = 0;
+  torch::Tensor sums;
+  double grad_norm_sum = 0.0;
+  for (std::int64_t ep = 0; ep < epochs; ++ep) {
+    const auto perm = torch::randperm(units, torch::kInt64);  // a host tensor: no device read
+    const auto* order = perm.data_ptr<std::int64_t>();
+    for (std::int64_t m = 0; m < mbs; ++m) {
+      const auto lo = m * units / mbs, hi = (m + 1) * units / mbs;
+      std::vector<std::int64_t> rows;
+      for (std::int64_t g = lo; g < hi; ++g)
+        for (std::int64_t k = 0; k < unit; ++k) rows.push_back(order[g] * unit + k);
+      const loss_terms terms = loss(torch::tensor(rows, torch::kInt64));
+      optim.zero_grad();
+      terms.total.backward();
+      const double norm = train::clip_grad_norm(params, max_grad_norm);
+      if (!std::isfinite(norm)) {
+        ++s["skipped_updates"];
+        continue;
+      }
+      optim.step();
+      ++updates;
+      const auto dev = terms.total.device();
+      std::vector<torch::Tensor> row;
+      for (const auto& n : names) {
+        const scalar_stat& x = n == "loss"          ? scalar_stat(terms.total)
+                               : n == "policy_loss" ? terms.policy
+                               : n == "value_loss"  ? terms.value
+                               : n == "kl"          ? terms.kl
+                               : n == "entropy"     ? terms.entropy
+                               : n == "ratio_mean"  ? terms.ratio_mean
+                                                    : terms.clip_fraction;
+        row.push_back(x.tensor(dev));
+      }
+      sums = sums.defined() ? sums + torch::stack(row) : torch::stack(row);
+      grad_norm_sum += norm;
+    }
+  }
+  std::vector<torch::Tensor> tails;
+  for (const auto& t : tail) tails.push_back(t.reshape({1}).to(torch::kDouble));
+  auto tail_t = torch::cat(tails);
+  const auto read = to_host(sums.defined() ? torch::cat({sums.to(tail_t.device()), tail_t}) : tail_t);  // one read
+  const std::size_t n = sums.defined() ? names.size() : 0;
+  for (std::size_t i = 0; i < names.size(); ++i)
+    s[names[i]] = updates > 0 && sums.defined() ? read[i] / static_cast<double>(updates) : 0.0;
+  s["grad_norm"] = updates > 0 ? grad_norm_sum / static_cast<double>(updates) : 0.0;
+  s["updates"] = static_cast<double>(updates);
+  return {read.begin() + static_cast<std::ptrdiff_t>(n), read.end()};
+}
+}  // namespace detail
+
 /// Options of `episode_grpo`.
 struct episode_grpo_options {
   algo::grpo_options algorithm{};  // clip, KL, agg (token_mean: per token; seq_mean_token_mean: per episode), advantage
@@ -194,55 +265,15 @@ class episode_grpo {
       s["sampler_logp_max_diff"] = static_cast<double>(scalar_stat(((old - all.old_logp) * all.policy_mask).abs().max()));
     }
     const auto groups = B / group;
-    const auto mbs = std::min(o_.minibatches, groups);
-    std::int64_t updates = 0;
-    // The minibatch statistics stay on the device, summed, and are read once after the epochs.
-    static constexpr const char* stat_names[] = {"loss", "policy_loss", "kl", "entropy", "ratio_mean", "clip_fraction"};
-    torch::Tensor stat_sums;
-    double grad_norm_sum = 0.0;
-    for (std::int64_t ep = 0; ep < o_.epochs; ++ep) {
-      const auto perm = torch::randperm(groups, torch::kInt64);  // a host tensor: no device read
-      const auto* order = perm.data_ptr<std::int64_t>();
-      for (std::int64_t m = 0; m < mbs; ++m) {
-        const auto lo = m * groups / mbs, hi = (m + 1) * groups / mbs;
-        std::vector<std::int64_t> rows;
-        for (std::int64_t g = lo; g < hi; ++g)
-          for (std::int64_t k = 0; k < group; ++k) rows.push_back(order[g] * group + k);
-        const auto idx = torch::tensor(rows, torch::kInt64);
-        const episode_batch mb{all.ids.index_select(0, idx), all.mask.index_select(0, idx),
-                               all.policy_mask.index_select(0, idx), all.old_logp.index_select(0, idx),
-                               all.rewards.index_select(0, idx)};
-        const auto terms = loss(mb, adv.index_select(0, idx), old.index_select(0, idx));
-        optim_.zero_grad();
-        terms.total.backward();
-        const double norm = train::clip_grad_norm(model_.parameters(), o_.clip.max_grad_norm);
-        if (!std::isfinite(norm)) {
-          ++s["skipped_updates"];
-          continue;
-        }
-        optim_.step();
-        ++updates;
-        const auto dev = terms.total.device();
-        const auto as_tensor = [&](const scalar_stat& x) {
-          return x.value.defined() ? x.value.detach().to(dev, torch::kDouble)
-                                   : torch::tensor(x.fallback, torch::TensorOptions().dtype(torch::kDouble).device(dev));
-        };
-        const auto row = torch::stack({as_tensor(scalar_stat(terms.total)), as_tensor(terms.policy), as_tensor(terms.kl),
-                                       as_tensor(terms.entropy), as_tensor(terms.ratio_mean),
-                                       as_tensor(terms.clip_fraction)});
-        stat_sums = stat_sums.defined() ? stat_sums + row : row;
-        grad_norm_sum += norm;
-      }
-    }
-    const auto tail = torch::stack({all.rewards.mean().to(torch::kDouble), all.policy_mask.sum().to(torch::kDouble)});
-    const auto read = to_host(stat_sums.defined() ? torch::cat({stat_sums.to(tail.device()), tail}) : tail);  // one read
-    const std::size_t n_stats = std::size(stat_names);
-    for (std::size_t i = 0; i < n_stats; ++i)
-      s[stat_names[i]] = updates > 0 && stat_sums.defined() ? read[i] / static_cast<double>(updates) : 0.0;
-    s["grad_norm"] = updates > 0 ? grad_norm_sum / static_cast<double>(updates) : 0.0;
-    s["updates"] = static_cast<double>(updates);
-    s["reward_mean"] = read[read.size() - 2];
-    s["policy_tokens"] = read[read.size() - 1];
+    const auto tail = detail::run_episode_updates(
+        optim_, model_.parameters(), o_.clip.max_grad_norm, o_.epochs, o_.minibatches, groups, group,
+        [&](const torch::Tensor& idx) {
+          return loss(detail::select_episodes(all, idx), adv.index_select(0, idx), old.index_select(0, idx));
+        },
+        {all.rewards.mean(), all.policy_mask.sum()},
+        {"loss", "policy_loss", "kl", "entropy", "ratio_mean", "clip_fraction"}, s);
+    s["reward_mean"] = tail[0];
+    s["policy_tokens"] = tail[1];
     model_.train(false);
     return s;
   }

@@ -116,7 +116,7 @@ inline std::string turn_stop(tokenizers::chat_format f) {
 
 /// Runs `group` episodes of each task `seeds[i]` (a copy of `env` reset with that seed for each)
 /// with the policy `model` on the rollout engine; `tools` (a `toolbox`, or `no_tools{}`) answers
-/// the tool calls. See the file comment. Call under `torch::NoGradGuard`.
+/// the tool calls (a toolbox with no tool selected acts as `no_tools`). See the file comment. Call under `torch::NoGradGuard`.
 template <PagedCausalLM M, TextEnvironment E, class Tools = no_tools>
 episodes_result run_episodes(const M& model, const E& env, const std::vector<std::uint64_t>& seeds,
                              std::int64_t group, Tools& tools, const agent_text& text, const agent_options& o) {
@@ -232,7 +232,7 @@ episodes_result run_episodes(const M& model, const E& env, const std::vector<std
     std::string content = said;
     if (const auto at = content.find(stop_text); open && at != std::string::npos) content.resize(at);
     bool calls = false;
-    if constexpr (has_tools) calls = content.find(tool_call_open) != std::string::npos;
+    if constexpr (has_tools) calls = !tools.names().empty() && content.find(tool_call_open) != std::string::npos;
     if (calls && open) {
       if constexpr (has_tools) {
         auto turn = tools.begin_turn(content);

@@ -22,6 +22,7 @@
 /// runs at most `threads` calls at once and later calls wait their turn (inside their own limit).
 /// The destructor stops every call and waits for the workers.
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <condition_variable>
 #include <cstddef>
@@ -68,6 +69,16 @@ struct toolbox_options {
 
 BOOST_HANA_ADAPT_STRUCT(unirl::agents::tool_call_limits, max_call_bytes, max_depth, max_calls);
 BOOST_HANA_ADAPT_STRUCT(unirl::agents::toolbox_options, timeout_seconds, threads, max_result_bytes, limits);
+template <>
+inline constexpr std::array unirl::options::field_docs<unirl::agents::tool_call_limits>{
+    unirl::options::field_doc{"max_call_bytes", "bytes between <tool_call> and </tool_call>; a longer call is a fault"},
+    unirl::options::field_doc{"max_depth", "nesting of a call's JSON arrays and objects"},
+    unirl::options::field_doc{"max_calls", "calls in one turn; further ones are one fault"}};
+template <>
+inline constexpr std::array unirl::options::field_docs<unirl::agents::toolbox_options>{
+    unirl::options::field_doc{"timeout_seconds", "time limit of one tool call, from its start"},
+    unirl::options::field_doc{"threads", "worker threads: tool calls running at once"},
+    unirl::options::field_doc{"max_result_bytes", "a longer tool result is cut (and says so)"}};
 
 namespace unirl::agents {
 
@@ -311,15 +322,41 @@ class toolbox {
       UNIRL_CHECK(std::find(names_.begin(), names_.end(), n) == names_.end(), "toolbox: two tools are named '", n,
                   "'; expected distinct names");
       names_.push_back(n);
+      enabled_.push_back(true);
       schemas_.push_back(t.parameters());
       UNIRL_CHECK(schemas_.back().is_object(), "toolbox: tool '", n, "' has parameters() = ",
                   schemas_.back().dump(), "; expected a JSON schema object");
     });
+    active_names_ = names_;
   }
   explicit toolbox(Tools... tools) : toolbox(options{}, std::move(tools)...) {}
 
   const options& opts() const { return o_; }
-  const std::vector<std::string>& names() const { return names_; }
+  /// The names of the selected tools (all, unless `select` chose some).
+  const std::vector<std::string>& names() const { return active_names_; }
+
+  /// Keeps only the tools named in `names` (empty: none): the others are not listed to the
+  /// model, and a call of one is answered as a call of an unknown tool. A name that is no tool of
+  /// this toolbox is a `config_error` on `key` naming it and the tools there are.
+  /// ```cpp
+  /// tools.select({"calculator"});
+  /// ```
+  void select(const std::vector<std::string>& names, const std::string& key = "tools") {
+    std::vector<bool> on(names_.size(), false);
+    for (const auto& n : names) {
+      const auto it = std::find(names_.begin(), names_.end(), n);
+      if (it == names_.end()) {
+        std::string known;
+        for (const auto& k : names_) known += (known.empty() ? "" : ", ") + k;
+        throw config_error(key, "unknown tool '" + n + "'; the tools are " + known);
+      }
+      on[static_cast<std::size_t>(it - names_.begin())] = true;
+    }
+    enabled_ = std::move(on);
+    active_names_.clear();
+    for (std::size_t i = 0; i < names_.size(); ++i)
+      if (enabled_[i]) active_names_.push_back(names_[i]);
+  }
 
   /// The tool definitions a chat template lists (`apply_chat_template(..., tools)`):
   /// `{"type": "function", "function": {"name", "description", "parameters"}}` per tool.
@@ -327,8 +364,9 @@ class toolbox {
     std::vector<nlohmann::json> out;
     std::size_t i = 0;
     boost::hana::for_each(tools_, [&](const auto& t) {
-      out.push_back({{"type", "function"},
-                     {"function", {{"name", names_[i]}, {"description", t.description()}, {"parameters", schemas_[i]}}}});
+      if (enabled_[i])
+        out.push_back({{"type", "function"},
+                       {"function", {{"name", names_[i]}, {"description", t.description()}, {"parameters", schemas_[i]}}}});
       ++i;
     });
     return out;
@@ -351,10 +389,10 @@ class toolbox {
       }
       s.name = detail::shorten(p.call->name);
       const auto it = std::find(names_.begin(), names_.end(), p.call->name);
-      if (it == names_.end()) {
+      if (it == names_.end() || !enabled_[static_cast<std::size_t>(it - names_.begin())]) {
         s.fault = tool_fault::unknown_tool;
         std::string known;
-        for (const auto& n : names_) known += (known.empty() ? "" : ", ") + n;
+        for (const auto& n : active_names_) known += (known.empty() ? "" : ", ") + n;
         s.reply = "error: there is no tool named '" + s.name + "'; the tools are " + known;
         turn.slots_.push_back(std::move(s));
         continue;
@@ -427,7 +465,9 @@ class toolbox {
 
   boost::hana::tuple<Tools...> tools_;
   options o_;
-  std::vector<std::string> names_;
+  std::vector<std::string> names_;         // every tool's, in the tuple's order
+  std::vector<bool> enabled_;              // per tool: selected (`select`)
+  std::vector<std::string> active_names_;  // the selected tools' names
   std::vector<nlohmann::json> schemas_;
   mutable std::mutex stats_mutex_;
   tool_stats stats_;

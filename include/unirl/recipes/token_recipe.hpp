@@ -16,6 +16,11 @@
 ///
 /// The algorithm name is a preset of the GRPO options (see `apply_preset`), applied before the
 /// recipe's own `grpo` values, so anything the recipe states wins.
+///
+/// With `environment.name` set the run is a multi-turn agent's (`environment_recipe`,
+/// `preflight_agent`): episodes of a built-in text environment with the built-in `tools`
+/// (agents/builtin.hpp) on the rollout engine, trained by `agents::episode_grpo` or
+/// `agents::episode_ppo`.
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
@@ -25,6 +30,7 @@
 #include <iomanip>
 #include <iostream>
 #include <optional>
+#include <random>
 #include <regex>
 #include <string>
 #include <utility>
@@ -34,6 +40,10 @@
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
+#include <unirl/agents/builtin.hpp>
+#include <unirl/agents/episode_grpo.hpp>
+#include <unirl/agents/episode_ppo.hpp>
+#include <unirl/agents/rollout.hpp>
 #include <unirl/algorithms/grpo.hpp>
 #include <unirl/algorithms/ppo.hpp>
 #include <unirl/algorithms/ppo_token.hpp>
@@ -49,8 +59,10 @@
 #include <unirl/rollout/token_sampler.hpp>
 #include <unirl/tokenizers/bpe.hpp>
 #include <unirl/tokenizers/chat.hpp>
+#include <unirl/train/model_set_builder.hpp>
 #include <unirl/train/report.hpp>
 #include <unirl/train/run_directory.hpp>
+#include <unirl/train/schedule.hpp>
 #include <unirl/train/sft.hpp>
 #include <unirl/trainer.hpp>
 
@@ -125,6 +137,28 @@ struct sft_recipe {
   }
 };
 
+/// A multi-turn agent run (`environment.name` set, docs/agents.md): episodes of a built-in text
+/// environment (`agents::builtin_environments`) with the built-in tools the recipe's `tools` names,
+/// trained by GRPO over episodes (the grpo-family algorithms: groups of `group_size` episodes of
+/// one task, `prompts_per_step` tasks a step) or PPO over episodes (`algorithm = ppo`).
+struct environment_recipe {
+  std::string name{};                     // a built-in text environment; empty: prompts from `data`
+  std::int64_t max_turns = 4;             // policy turns per episode
+  std::int64_t max_turn_tokens = 64;      // tokens per policy turn
+  std::int64_t max_episode_tokens = 512;  // tokens per episode (prompt, turns and replies)
+  bool stop_at_tool_call = false;         // a turn also ends at </tool_call>
+  std::int64_t heldout = 0;               // held-out tasks: greedy mean return before / after RL (0: none)
+  agents::toolbox_options tool_options{};
+
+  void validate(const std::string& p) const {
+    if (!name.empty()) agents::check_builtin_environment(name, p + "name");
+    options::require(max_turns >= 1, p + "max_turns", max_turns, ">= 1");
+    options::require(max_turn_tokens >= 1, p + "max_turn_tokens", max_turn_tokens, ">= 1");
+    options::require(max_episode_tokens >= 2, p + "max_episode_tokens", max_episode_tokens, ">= 2");
+    options::require(heldout >= 0, p + "heldout", heldout, ">= 0");
+  }
+};
+
 /// A recipe (the file `unirl-train --recipe` reads; every key may be overridden as key=value).
 /// Each key's description is in `field_docs<token_recipe>` below (`unirl-train --help`).
 struct token_recipe {
@@ -144,6 +178,8 @@ struct token_recipe {
   sampling_options sampling{.max_new_tokens = 32, .temperature = 1.0};
   std::vector<std::string> stop{};
   reward_recipe reward{};
+  std::vector<std::string> tools{};
+  environment_recipe environment{};
   train::optimizer_options optim{.lr = 1e-5};
   train::schedule_options schedule{};
   train::clip_options clip{};
@@ -173,6 +209,11 @@ struct token_recipe {
     options::require(eval_records >= 0, p + "eval_records", eval_records, ">= 0");
     options::require(threads >= 0, p + "threads", threads, ">= 0");
     options::require(!out.empty(), p + "out", out, "a run directory");
+    agents::check_builtin_tools(tools, p + "tools");
+    if (!tools.empty() && environment.name.empty())
+      throw config_error(p + "tools", "names tools, but no environment.name is set: tools are called in multi-turn "
+                                      "episodes of a built-in environment (" +
+                                          agents::detail::listed(agents::builtin_environment_names()) + ")");
     // The samplers take the top-level `sampling`; a value under grpo / ppo would be ignored
     // (`field_docs<token_recipe>` hides these keys from --help).
     const auto unset = options::to_json(sampling_options{});
@@ -190,8 +231,10 @@ struct token_recipe {
 BOOST_HANA_ADAPT_STRUCT(unirl::recipes::reward_recipe, exact_answer, answer, format, format_options, remote,
                         remote_options);
 BOOST_HANA_ADAPT_STRUCT(unirl::recipes::sft_recipe, steps, data, batch_size, optim, schedule, clip, layout);
+BOOST_HANA_ADAPT_STRUCT(unirl::recipes::environment_recipe, name, max_turns, max_turn_tokens, max_episode_tokens,
+                        stop_at_tool_call, heldout, tool_options);
 BOOST_HANA_ADAPT_STRUCT(unirl::recipes::token_recipe, model, dtype, data, eval_data, eval_records, overlong, format,
-                        system_prompt, prompt_suffix, sft, algorithm, grpo, ppo, sampling, stop, reward, optim, schedule, clip, memory, lora,
+                        system_prompt, prompt_suffix, sft, algorithm, grpo, ppo, sampling, stop, reward, tools, environment, optim, schedule, clip, memory, lora,
                         precision, loss_scale, group_size, prompts_per_step, steps, epochs, minibatches,
                         micro_batch_size, seed, threads, device, out, checkpoint, export_dir, progress);
 
@@ -207,6 +250,15 @@ inline constexpr std::array unirl::options::field_docs<unirl::recipes::sft_recip
     unirl::options::field_doc{"batch_size", "sequences per supervised step"},
     unirl::options::field_doc{"layout", "padded rows, or packed (sequence packing)"}};
 template <>
+inline constexpr std::array unirl::options::field_docs<unirl::recipes::environment_recipe>{
+    unirl::options::field_doc{"name", "a built-in text environment (arithmetic): a multi-turn agent run; empty = prompts from data"},
+    unirl::options::field_doc{"max_turns", "policy turns per episode"},
+    unirl::options::field_doc{"max_turn_tokens", "tokens per policy turn"},
+    unirl::options::field_doc{"max_episode_tokens", "tokens per episode (prompt, turns, tool replies, observations)"},
+    unirl::options::field_doc{"stop_at_tool_call", "a turn also ends at </tool_call> (one call per turn)"},
+    unirl::options::field_doc{"heldout", "held-out tasks: greedy mean return before and after RL (0 = none)"},
+    unirl::options::field_doc{"tool_options", "the tools' time limit, worker threads and size limits"}};
+template <>
 inline constexpr std::array unirl::options::field_docs<unirl::recipes::token_recipe>{
     unirl::options::field_doc{"model", "Hugging Face model directory: config.json, *.safetensors, tokenizer files"},
     unirl::options::field_doc{"dtype", "weights' dtype on load: auto = the checkpoint's torch_dtype (float32 master weights need float32)"},
@@ -218,6 +270,7 @@ inline constexpr std::array unirl::options::field_docs<unirl::recipes::token_rec
     unirl::options::field_doc{"prompt_suffix", "text appended to each prompt (e.g. \"=\" or \" Answer:\")"},
     unirl::options::field_doc{"algorithm", "the RL algorithm: a preset of the grpo.* options, or PPO with a critic"},
     unirl::options::field_doc{"stop", "extra stop tokens, each the text of one token (the tokenizer's eos always stops)"},
+    unirl::options::field_doc{"tools", "built-in tools the agent may call in a multi-turn run (calculator); needs environment.name"},
     unirl::options::field_doc{"precision", "autocast precision of forward / backward (float32 master weights)"},
     unirl::options::field_doc{"group_size", "completions sampled per prompt"},
     unirl::options::field_doc{"prompts_per_step", "prompts per RL step"},
@@ -690,6 +743,31 @@ struct run_summary {
   }
 };
 
+// The recipe's model in its dtype on its device, with LoRA adapters when `lora.rank > 0`; its
+// dtype goes into `res`.
+inline models::hf::causal_lm load_policy(const token_recipe& r, run_result& res) {
+  const auto dtype = r.dtype == model_dtype::bfloat16 ? models::hf::weight_dtype::bfloat16
+                     : r.dtype == model_dtype::float32 ? models::hf::weight_dtype::float32
+                                                       : models::hf::weight_dtype::as_config;
+  auto model = models::hf::from_pretrained(r.model, {.dtype = dtype, .device = r.device});
+  res.weights_dtype = c10::toString(model.dtype());
+  if (r.lora.rank > 0) lora::apply(model, r.lora);
+  return model;
+}
+
+// Writes `policy` to `res.export_dir` in Hugging Face layout (LoRA merged; the adapter alone in
+// PEFT's layout under adapter/), with the prompt format it was trained with (`prompt_format_file`).
+inline void export_policy(models::hf::causal_lm& policy, const token_recipe& r, const run_result& res) {
+  models::hf::save_pretrained(policy, res.export_dir, {.copy_tokenizer_from = r.model});  // LoRA: merged
+  if (r.lora.rank > 0)  // the adapter alone, in PEFT's layout
+    lora::save_adapter(policy, std::filesystem::path(res.export_dir) / "adapter", {.base_model_name_or_path = r.model});
+  std::ofstream f(std::filesystem::path(res.export_dir) / std::string(prompt_format_file));
+  f << nlohmann::json{{"format", res.prompt_format}, {"system_prompt", r.system_prompt}, {"prompt_suffix", r.prompt_suffix}}
+           .dump(2)
+    << "\n";
+  UNIRL_CHECK(static_cast<bool>(f), "recipe: cannot write ", res.export_dir, "/", prompt_format_file);
+}
+
 template <class Algorithm>
 run_result run_with(const token_recipe& r, const tokenizers::bpe_tokenizer& tok, const preflight_report& pf,
                     const stop_request* stop) {
@@ -720,12 +798,7 @@ run_result run_with(const token_recipe& r, const tokenizers::bpe_tokenizer& tok,
     if (!summary.previous.is_object()) summary.previous = nlohmann::json::object();
   }
 
-  const auto dtype = r.dtype == model_dtype::bfloat16 ? models::hf::weight_dtype::bfloat16
-                     : r.dtype == model_dtype::float32 ? models::hf::weight_dtype::float32
-                                                       : models::hf::weight_dtype::as_config;
-  auto model = models::hf::from_pretrained(r.model, {.dtype = dtype, .device = r.device});
-  res.weights_dtype = c10::toString(model.dtype());
-  if (r.lora.rank > 0) lora::apply(model, r.lora);
+  auto model = load_policy(r, res);
   const auto s = run_sampling(r, tok);
   const auto& eval = pf.eval;
   data::jsonl_dataset train_data(r.data);
@@ -839,16 +912,7 @@ run_result run_with(const token_recipe& r, const tokenizers::bpe_tokenizer& tok,
   if (r.export_dir != "none") {
     res.export_dir = r.export_dir.empty() ? (out / "export").string() : r.export_dir;
     try {
-      models::hf::save_pretrained(policy, res.export_dir, {.copy_tokenizer_from = r.model});  // LoRA: merged
-      if (r.lora.rank > 0)  // the adapter alone, in PEFT's layout
-        lora::save_adapter(policy, std::filesystem::path(res.export_dir) / "adapter",
-                           {.base_model_name_or_path = r.model});
-      std::ofstream f(std::filesystem::path(res.export_dir) / std::string(prompt_format_file));
-      f << nlohmann::json{{"format", res.prompt_format}, {"system_prompt", r.system_prompt},
-                          {"prompt_suffix", r.prompt_suffix}}
-               .dump(2)
-        << "\n";
-      UNIRL_CHECK(static_cast<bool>(f), "recipe: cannot write ", res.export_dir, "/", prompt_format_file);
+      export_policy(policy, r, res);
     } catch (const std::exception& e) {
       res.seconds = since(t0);
       summary.write(out, r, res, e.what());  // the training's record survives a failed export
@@ -857,6 +921,201 @@ run_result run_with(const token_recipe& r, const tokenizers::bpe_tokenizer& tok,
     }
   }
   return finish();
+}
+
+// The chat format of a multi-turn run (format = none: plain).
+inline tokenizers::chat_format agent_format(const token_recipe& r, const tokenizers::bpe_tokenizer& tok) {
+  return r.format == prompt_format::none ? tokenizers::chat_format::plain : chat_format_of(r.format, tok);
+}
+
+// The rollout options of a multi-turn run: the recipe's sampling with its stop tokens, except an
+// eos that is the chat format's end-of-turn marker (it ends a turn there, not the episode).
+inline agents::agent_options agent_rollout_options(const token_recipe& r, const tokenizers::bpe_tokenizer& tok) {
+  const auto& e = r.environment;
+  agents::agent_options o{.format = agent_format(r, tok), .system = r.system_prompt, .max_turns = e.max_turns,
+                          .max_turn_tokens = e.max_turn_tokens, .max_episode_tokens = e.max_episode_tokens,
+                          .sampling = run_sampling(r, tok), .stop_at_tool_call = e.stop_at_tool_call};
+  if (const auto end = tok.token_to_id(agents::detail::turn_stop(o.format)))
+    std::erase(o.sampling.stop_tokens, *end);
+  return o;
+}
+
+// The options of GRPO over episodes and of PPO over episodes from a recipe.
+inline agents::episode_grpo_options episode_grpo_options_of(const token_recipe& r) {
+  auto g = r.grpo;
+  g.sampling = r.sampling;
+  return {.algorithm = g, .optim = r.optim, .clip = r.clip, .epochs = r.epochs, .minibatches = r.minibatches};
+}
+inline agents::episode_ppo_options episode_ppo_options_of(const token_recipe& r) {
+  const auto& p = r.ppo;
+  return {.algorithm = {.clip_low = p.clip_low, .clip_high = p.clip_high, .dual_clip = p.dual_clip,
+                        .value_clip = p.value_clip, .vf_coef = p.vf_coef, .ent_coef = p.ent_coef,
+                        .kl_coef = p.kl_coef, .kl = p.kl, .kl_in_reward = p.kl_in_reward, .gamma = p.gamma,
+                        .lambda = p.lambda, .norm_adv = p.norm_adv, .agg = p.agg, .max_len = p.max_len},
+          .temperature = r.sampling.temperature, .optim = r.optim, .clip = r.clip, .epochs = r.epochs,
+          .minibatches = r.minibatches};
+}
+
+// Held-out tasks draw seeds from 2^40 up, training tasks below.
+inline constexpr std::uint64_t heldout_seed_base = std::uint64_t{1} << 40;
+
+}  // namespace detail
+
+/// Pre-flight of a multi-turn run (`environment.name` set), before any weights are loaded: keys
+/// a multi-turn run does not read are errors naming them; the device, `out` and the export
+/// directory; the stop tokens; the learner's options; and the first prompts of the environment
+/// (with the tools' definitions) against `environment.max_episode_tokens` and the model's context.
+/// Returns the model's context.
+inline std::int64_t preflight_agent(const token_recipe& r, const tokenizers::bpe_tokenizer& tok) {
+  const auto not_read = [&](const char* key, bool set) {
+    if (set)
+      throw config_error(key, std::string("is set, but a multi-turn run (environment.name = ") + r.environment.name +
+                                  ") does not read it: its tasks come from the environment");
+  };
+  not_read("sft.steps", r.sft.steps > 0);
+  not_read("eval_data", !r.eval_data.empty());
+  not_read("micro_batch_size", r.micro_batch_size > 0);
+  not_read("precision", r.precision != ::unirl::precision::fp32);
+  if (!(r.sampling.temperature > 0.0))
+    throw config_error("sampling.temperature", "value " + std::to_string(r.sampling.temperature) +
+                                                   ": a multi-turn run samples its episodes at a temperature > 0 "
+                                                   "(held-out episodes are greedy)");
+  detail::checked_device(r.device);
+  detail::check_writable(std::filesystem::path(r.out), "out");
+  if (r.export_dir != "none")
+    detail::check_writable(r.export_dir.empty() ? std::filesystem::path(r.out) / "export" : std::filesystem::path(r.export_dir),
+                           "export_dir");
+  const auto cfg = models::hf::decoder_config::load(std::filesystem::path(r.model) / "config.json");
+  const auto ao = detail::agent_rollout_options(r, tok);
+  if (r.algorithm == algorithm_name::ppo) options::validate(detail::episode_ppo_options_of(r));
+  else options::validate(detail::episode_grpo_options_of(r));
+  auto tools = agents::make_builtin_toolbox(r.environment.tool_options);
+  tools.select(r.tools);
+  std::vector<nlohmann::json> defs;
+  if (ao.format == tokenizers::chat_format::chatml || ao.format == tokenizers::chat_format::qwen2_5)
+    defs = tools.definitions();
+  const auto limit = std::min<std::int64_t>(r.environment.max_episode_tokens, cfg.max_position_embeddings);
+  agents::with_builtin_environment(r.environment.name, [&](auto env) {
+    for (std::uint64_t seed = 0; seed < 8; ++seed) {
+      const auto first = env.reset(seed);
+      std::vector<tokenizers::chat_message> msgs;
+      if (!ao.system.empty()) msgs.push_back({"system", ao.system});
+      msgs.push_back({"user", first.text});
+      const auto n = first.tokens.empty()
+                         ? static_cast<std::int64_t>(tok.encode(tokenizers::apply_chat_template(ao.format, msgs, true, defs)).size())
+                         : static_cast<std::int64_t>(first.tokens.size());
+      if (n + 1 > limit)
+        throw config_error("environment.max_episode_tokens",
+                           "the first prompt of the environment '" + r.environment.name + "' (task seed " +
+                               std::to_string(seed) + ") is " + std::to_string(n) + " tokens" +
+                               (defs.empty() ? "" : " with the tools' definitions") + ", which leaves no room for a turn in " +
+                               std::to_string(limit) + " (environment.max_episode_tokens = " +
+                               std::to_string(r.environment.max_episode_tokens) + ", the model's context = " +
+                               std::to_string(cfg.max_position_embeddings) + ")");
+    }
+  });
+  return cfg.max_position_embeddings;
+}
+
+namespace detail {
+
+// A multi-turn run (see `environment_recipe`): held-out mean return before, RL on episodes, after;
+// metrics.jsonl (one row per step), summary.json, report.html and the export. It writes no
+// checkpoints (and resumes none).
+inline run_result run_agent(const token_recipe& r, const tokenizers::bpe_tokenizer& tok, const stop_request* stop) {
+  using clock = std::chrono::steady_clock;
+  const auto t0 = clock::now();
+  auto since = [](clock::time_point a) { return std::chrono::duration<double>(clock::now() - a).count(); };
+  const std::filesystem::path out(r.out);
+  std::filesystem::create_directories(out);
+  if (r.threads > 0) torch::set_num_threads(static_cast<int>(r.threads));
+  torch::manual_seed(static_cast<std::uint64_t>(r.seed));
+  run_result res;
+  res.prompt_format = std::string(enum_to_string(r.format == prompt_format::none ? prompt_format::none
+                                                                                 : concrete_format(r.format, tok)));
+  auto model = load_policy(r, res);
+  model.train(false);
+  std::optional<models::hf::causal_lm> reference;
+  const double kl_coef = r.algorithm == algorithm_name::ppo ? r.ppo.kl_coef : r.grpo.kl_coef;
+  if (kl_coef > 0.0) reference.emplace(train::frozen_copy(model));
+  const agents::agent_text text{.encode = [&](const std::string& s) { return tok.encode(s); }, .decode = tok.decoder()};
+  const auto ao = agent_rollout_options(r, tok);
+  auto greedy = ao;
+  greedy.sampling.temperature = 0.0;
+  auto tools = agents::make_builtin_toolbox(r.environment.tool_options);
+  tools.select(r.tools);
+  std::vector<std::uint64_t> heldout;
+  for (std::int64_t i = 0; i < r.environment.heldout; ++i) heldout.push_back(heldout_seed_base + static_cast<std::uint64_t>(i));
+  std::mt19937_64 rng(static_cast<std::uint64_t>(r.seed));
+  std::ofstream metrics(out / "metrics.jsonl", std::ios::trunc);
+  UNIRL_CHECK(static_cast<bool>(metrics), "recipe: cannot write ", (out / "metrics.jsonl").string());
+  auto schedule = r.schedule;
+  if (schedule.total_steps == 0) schedule.total_steps = r.steps;
+
+  agents::with_builtin_environment(r.environment.name, [&](auto env) {
+    auto evaluate = [&] {
+      if (heldout.empty()) return -1.0;
+      const auto te = clock::now();
+      torch::NoGradGuard ng;
+      const auto o = agents::run_episodes(model, env, heldout, 1, tools, text, greedy);
+      res.seconds_eval += since(te);
+      return o.stats.at("reward_mean");
+    };
+    res.accuracy_before = evaluate();
+    auto train = [&](auto& learner, auto&& update) {
+      const auto tr = clock::now();
+      for (std::int64_t step = 0; step < r.steps && !(stop != nullptr && stop->requested()); ++step) {
+        learner.optimizer().set_lr_multiplier(train::lr_multiplier(schedule, step));
+        std::vector<std::uint64_t> seeds;
+        for (std::int64_t i = 0; i < r.prompts_per_step; ++i) seeds.push_back(rng() % heldout_seed_base);
+        const auto group = r.algorithm == algorithm_name::ppo ? std::int64_t{1} : r.group_size;
+        agents::episodes_result ep;
+        {
+          torch::NoGradGuard ng;
+          ep = agents::run_episodes(model, env, seeds, r.group_size, tools, text, ao);
+        }
+        const auto s = update(learner, ep.episodes, group);
+        nlohmann::json row{{"step", step}, {"learning_rate", r.optim.lr * learner.optimizer().lr_multiplier()}};
+        for (const auto& [k, v] : ep.stats) row["rollout/" + k] = v;
+        for (const auto& [k, v] : s) row[k] = v;
+        metrics << row.dump() << "\n" << std::flush;
+        if (res.steps == 0) res.reward_first = ep.stats.at("reward_mean");
+        res.reward_last = ep.stats.at("reward_mean");
+        ++res.steps;
+        res.steps_total = res.steps;
+        if (r.progress)
+          std::cerr << "\rstep " << step + 1 << "/" << r.steps << "  return " << ep.stats.at("reward_mean") << "  turns "
+                    << ep.stats.at("turns_mean") << "  tool calls " << ep.stats.at("tool_call_rate") << std::flush;
+      }
+      if (r.progress && res.steps > 0) std::cerr << "\n";
+      res.seconds_rl = since(tr);
+    };
+    const auto pad = tok.pad_id();
+    if (r.algorithm == algorithm_name::ppo) {
+      agents::episode_ppo<models::hf::causal_lm> learner{model, episode_ppo_options_of(r),
+                                                         reference ? &*reference : nullptr};
+      train(learner, [&](auto& l, const auto& eps, std::int64_t) { return l.step(eps, pad); });
+    } else {
+      agents::episode_grpo<models::hf::causal_lm> learner{model, episode_grpo_options_of(r),
+                                                          reference ? &*reference : nullptr};
+      train(learner, [&](auto& l, const auto& eps, std::int64_t g) { return l.step(eps, g, pad); });
+    }
+    model.train(false);
+    if (stop != nullptr && stop->requested()) {
+      res.interrupted_by = stop->signal();
+      return;
+    }
+    res.accuracy_after = evaluate();
+  });
+  const run_summary summary;
+  if (res.interrupted_by == 0 && r.export_dir != "none") {
+    res.export_dir = r.export_dir.empty() ? (out / "export").string() : r.export_dir;
+    export_policy(model, r, res);
+  }
+  res.seconds = since(t0);
+  summary.write(out, r, res);
+  train::write_report(out);
+  return res;
 }
 
 }  // namespace detail
@@ -871,6 +1130,10 @@ inline run_result run(const token_recipe& recipe, const stop_request* stop = nul
   auto r = recipe;
   const bool recorded = apply_recorded_format(r);
   auto tok = tokenizers::bpe_tokenizer::from_dir(r.model);
+  if (!r.environment.name.empty()) {  // a multi-turn agent run
+    preflight_agent(r, tok);
+    return detail::run_agent(r, tok, stop);
+  }
   const auto pf = preflight(r, tok);
   if (recorded)
     std::cout << "prompt format: " << enum_to_string(detail::concrete_format(r.format, tok)) << " (recorded in "

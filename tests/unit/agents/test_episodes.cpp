@@ -2,9 +2,11 @@
 // template's rendering of the same conversation (Qwen3's tokenizer), the policy's tokens are kept
 // as sampled and the rest tokenized once (ids that do not survive decode / encode stay), resumed
 // logits equal a full forward over the trajectory, tool faults in a rollout are replies and
-// counters, and GRPO over episodes trains the policy tokens only (its loss against the formula,
-// and a policy that learns).
+// counters, GRPO over episodes trains the policy tokens only (its loss against the formula,
+// and a policy that learns), and PPO over episodes: GAE over the policy tokens against its
+// definition, no gradient off the policy mask, a return that improves.
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdint>
 #include <filesystem>
@@ -397,6 +399,31 @@ TEST_CASE("episode GRPO: the loss is GRPO's on the policy tokens only, per token
 }
 
 namespace {
+// Rollouts of 16 tasks a step (seeds step * 100 + i, `group` episodes each) and `update` on
+// them until the mean reward passes `goal` or `steps` run out: the first and the last mean reward.
+template <class Env, class Update>
+std::pair<double, double> train_until(const steered_gpt& model, const Env& env, std::int64_t group, const agent_text& io,
+                                      const agent_options& o, int steps, double goal, Update&& update) {
+  std::vector<std::uint64_t> seeds(16);
+  double first = -1, last = 0;
+  torch::manual_seed(1);
+  for (int step = 0; step < steps; ++step) {
+    for (std::size_t i = 0; i < seeds.size(); ++i) seeds[i] = static_cast<std::uint64_t>(step * 100 + i);
+    episodes_result out;
+    {
+      torch::NoGradGuard ng;
+      out = run_episodes(model, env, seeds, group, io, o);
+    }
+    last = out.stats.at("reward_mean");
+    if (first < 0) first = last;
+    if (last > goal) break;
+    update(out);
+  }
+  return {first, last};
+}
+}  // namespace
+
+namespace {
 // Scores 1 when the answer starts with a digit.
 struct digit_env {
   text_observation reset(std::uint64_t) { return {.text = "Say a digit."}; }
@@ -413,26 +440,181 @@ TEST_CASE("episode GRPO: a policy learns from episode rewards (the rollout on th
   std::int64_t encodes = 0;
   const auto io = text.io(&encodes);
   episode_grpo<steered_gpt> learner{model, {.algorithm = {.agg = algo::loss_agg::token_mean}, .optim = {.lr = 1e-2}}};
-  std::vector<std::uint64_t> seeds(16);
-  double first = -1, last = 0;
-  torch::manual_seed(1);
-  for (int step = 0; step < 30; ++step) {
-    for (std::size_t i = 0; i < seeds.size(); ++i) seeds[i] = static_cast<std::uint64_t>(step * 100 + i);
-    episodes_result out;
-    {
-      torch::NoGradGuard ng;
-      out = run_episodes(model, digit_env{}, seeds, 8, io,
-                         {.format = tokenizers::chat_format::plain, .max_turns = 1, .max_turn_tokens = 2, .max_episode_tokens = 40});
-    }
-    last = out.stats.at("reward_mean");
-    if (first < 0) first = last;
-    if (last > 0.8) break;
-    const auto s = learner.step(out.episodes, 8, text.tok.pad_id());
-    CHECK(s.at("updates") == 1.0);
-    CHECK(s.at("ratio_mean") == Approx(1.0).margin(1e-9));  // pi_old at the update's geometry
-  }
+  const auto [first, last] = train_until(
+      model, digit_env{}, 8, io,
+      {.format = tokenizers::chat_format::plain, .max_turns = 1, .max_turn_tokens = 2, .max_episode_tokens = 40}, 30, 0.8,
+      [&](const episodes_result& out) {
+        const auto s = learner.step(out.episodes, 8, text.tok.pad_id());
+        CHECK(s.at("updates") == 1.0);
+        CHECK(s.at("ratio_mean") == Approx(1.0).margin(1e-9));  // pi_old at the update's geometry
+      });
   CHECK(first < 0.3);
   CHECK(last > 0.8);
+}
+
+namespace {
+// GAE over the policy positions of each row by its definition, in float64: A_i = sum over the
+// policy positions k >= i of (gamma lambda)^(k - i) delta_k, delta_k = r_k + gamma V_next(k) - V_k.
+std::vector<std::vector<double>> gae_by_definition(const torch::Tensor& r, const torch::Tensor& v, const torch::Tensor& pm,
+                                                   double gamma, double lambda) {
+  std::vector<std::vector<double>> out(static_cast<std::size_t>(pm.size(0)), std::vector<double>(static_cast<std::size_t>(pm.size(1)), 0.0));
+  for (std::int64_t b = 0; b < pm.size(0); ++b) {
+    std::vector<std::int64_t> pos;
+    for (std::int64_t t = 0; t < pm.size(1); ++t)
+      if (pm[b][t].item<double>() != 0.0) pos.push_back(t);
+    std::vector<double> delta;
+    for (std::size_t k = 0; k < pos.size(); ++k) {
+      const double next = k + 1 < pos.size() ? v[b][pos[k + 1]].item<double>() : 0.0;
+      delta.push_back(r[b][pos[k]].item<double>() + gamma * next - v[b][pos[k]].item<double>());
+    }
+    for (std::size_t i = 0; i < pos.size(); ++i) {
+      double a = 0;
+      for (std::size_t k = i; k < pos.size(); ++k) a += std::pow(gamma * lambda, static_cast<double>(k - i)) * delta[k];
+      out[static_cast<std::size_t>(b)][static_cast<std::size_t>(pos[i])] = a;
+    }
+  }
+  return out;
+}
+// Three turns with context between them; each turn's reward is known.
+std::vector<trajectory> ppo_episodes() {
+  trajectory a, b;
+  a.append_context({1, 2});
+  a.append_policy({3, 4}, {-1.0, -1.5});
+  a.end_turn(1.0);
+  a.append_context({5, 6});
+  a.append_policy({7}, {-0.5});
+  a.end_turn(0.5);
+  b.append_context({1, 2, 3});
+  b.append_policy({8, 9, 10}, {-2.0, -1.0, -1.0});
+  b.end_turn(-0.25);
+  b.append_context({11});
+  b.append_policy({4, 5}, {-0.5, -0.5});
+  b.end_turn(0.0);
+  b.append_context({6});
+  b.append_policy({9}, {-1.0});
+  b.end_turn(2.0);
+  return {a, b};
+}
+}  // namespace
+
+TEST_CASE("episode PPO: GAE over the policy tokens equals a float64 reference, turn rewards on each turn's last token",
+          "[agents][cpu]") {
+  const auto eps = ppo_episodes();
+  const auto batch = make_episode_batch(eps, 0);
+  const auto L = batch.ids.size(1);
+  REQUIRE(L == 11);
+  const auto r = turn_token_rewards(eps, L);
+  // Episode a: tokens 3 and 6 end its turns (columns 2 and 5); b: tokens 5, 8 and 10 (columns 4, 7, 9).
+  CHECK(r[0][2].item<double>() == 1.0);
+  CHECK(r[0][5].item<double>() == 0.5);
+  CHECK(r[1][4].item<double>() == -0.25);
+  CHECK(r[1][7].item<double>() == 0.0);
+  CHECK(r[1][9].item<double>() == 2.0);
+  CHECK(r.abs().sum().item<double>() == 3.75);
+  // Values off the policy mask are 9: they must not enter any advantage.
+  auto v = torch::full({2, L - 1}, 9.0, torch::kDouble);
+  v[0][1] = 0.2;
+  v[0][2] = 0.4;
+  v[0][5] = 0.3;
+  torch::manual_seed(3);
+  for (const auto c : {2, 3, 4, 6, 7, 9}) v[1][c] = torch::rand({}, torch::kDouble) - 0.5;
+  for (const auto [gamma, lambda] : {std::pair{0.9, 0.8}, std::pair{1.0, 0.95}, std::pair{0.5, 0.0}}) {
+    const auto g = masked_gae(r, v, batch.policy_mask, gamma, lambda);
+    const auto want = gae_by_definition(r, v, batch.policy_mask, gamma, lambda);
+    for (std::int64_t b = 0; b < 2; ++b)
+      for (std::int64_t t = 0; t < L - 1; ++t) {
+        CHECK(g.advantages[b][t].item<double>() == Approx(want[b][t]).margin(1e-14));
+        const double ret = batch.policy_mask[b][t].item<double>() != 0.0 ? want[b][t] + v[b][t].item<double>() : 0.0;
+        CHECK(g.returns[b][t].item<double>() == Approx(ret).margin(1e-14));
+      }
+    if (gamma == 0.9) {
+      // By hand for episode a: delta = (0 + 0.9*0.4 - 0.2, 1 + 0.9*0.3 - 0.4, 0.5 - 0.3) = (0.16, 0.87, 0.2),
+      // A = (0.16 + 0.72*1.014, 0.87 + 0.72*0.2, 0.2) = (0.89008, 1.014, 0.2).
+      CHECK(g.advantages[0][1].item<double>() == Approx(0.89008).margin(1e-14));
+      CHECK(g.advantages[0][2].item<double>() == Approx(1.014).margin(1e-14));
+      CHECK(g.advantages[0][5].item<double>() == Approx(0.2).margin(1e-14));
+      CHECK(g.returns[0][1].item<double>() == Approx(1.09008).margin(1e-14));
+      CHECK(g.advantages[0][0].item<double>() == 0.0);
+      CHECK(g.advantages[0][3].item<double>() == 0.0);  // a context token between the turns
+    }
+  }
+  // A reward on a context token would be dropped: an error naming it.
+  auto bad = r.clone();
+  bad[0][3] = 1.0;
+  CHECK_THROWS_WITH(masked_gae(bad, v, batch.policy_mask, 1.0, 1.0), Catch::Contains("position 3"));
+}
+
+TEST_CASE("episode PPO: a token off the policy mask gets no gradient (policy, entropy and value terms)", "[agents][cpu]") {
+  auto model = make_policy(12, 64, 16);
+  const auto eps = ppo_episodes();
+  episode_ppo<steered_gpt> learner{model, {.algorithm = {.ent_coef = 0.01, .gamma = 0.9, .lambda = 0.8}}};
+  const auto batch = make_episode_batch(eps, 0);
+  const auto tg = learner.prepare(batch, eps);
+  const auto pm = batch.policy_mask.to(torch::kDouble), off = 1.0 - pm;
+  CHECK((tg.returns * off).abs().max().item<double>() == 0.0);  // no value target off the mask
+  CHECK((tg.advantages * off).abs().max().item<double>() == 0.0);
+  auto ev = learner.evaluate(batch, tg);
+  ev.logp.retain_grad();
+  ev.entropy.retain_grad();
+  ev.values.retain_grad();
+  const auto terms = learner.loss(ev);
+  terms.total.backward();
+  for (const auto* x : {&ev.logp, &ev.entropy, &ev.values}) {
+    const auto g = x->grad().to(torch::kDouble);
+    REQUIRE(g.defined());
+    CHECK((g * off).abs().max().item<double>() == 0.0);
+    CHECK((g * pm).abs().sum().item<double>() > 0.0);
+  }
+  CHECK(static_cast<double>(terms.ratio_mean) == Approx(1.0).margin(1e-12));  // pi_old at the update's geometry
+  CHECK_THROWS_WITH((episode_ppo<steered_gpt>{model, {.algorithm = {.kl_coef = 0.1}}}), Catch::Contains("reference"));
+}
+
+namespace {
+// Two turns; 0.5 for each turn whose first character is a digit.
+struct digit_turns_env {
+  int turn = 0;
+  text_observation reset(std::uint64_t) {
+    turn = 0;
+    return {.text = "Say a digit."};
+  }
+  text_step step(const std::string& a) {
+    ++turn;
+    return {.observation = {.text = "Another."}, .reward = !a.empty() && a[0] >= '0' && a[0] <= '9' ? 0.5 : 0.0,
+            .done = turn == 2};
+  }
+};
+}  // namespace
+
+TEST_CASE("episode PPO: the return of a two-turn episode improves (critic and GAE over the policy tokens)",
+          "[agents][cpu]") {
+  const aliased_text text;
+  auto model = make_policy(text.vocab(), 96, 32);
+  model.bias[text.tok.pad_id()] = -1e4;
+  model.bias[text.alias()] = -1e4;
+  model.bias[text.tok.id('\n')] = -20.0;  // a turn's one free character is never its end
+  // Each turn: one free character, then "\n\n" (forced) ends it; the second turn starts after the
+  // user's reply. An untrained policy writes a digit first ~10/95 of the time.
+  using tokenizers::chat_format;
+  const auto P = static_cast<std::int64_t>(
+      text.tok.encode(tokenizers::apply_chat_template(chat_format::plain, {{"user", "Say a digit."}})).size());
+  const auto C = static_cast<std::int64_t>(
+      text.tok.encode(tokenizers::render_continuation(chat_format::plain, {{"user", "Another."}}).substr(2)).size());
+  for (const auto at : {P + 1, P + 2, P + 4 + C, P + 5 + C}) (*model.force)[at] = text.tok.id('\n');
+  std::int64_t encodes = 0;
+  const auto io = text.io(&encodes);
+  episode_ppo<steered_gpt> learner{model, {.algorithm = {.ent_coef = 0.0, .gamma = 1.0, .lambda = 0.95},
+                                           .optim = {.lr = 1e-2}, .epochs = 2}};
+  const auto [first, last] = train_until(
+      model, digit_turns_env{}, 1, io,
+      {.format = chat_format::plain, .max_turns = 2, .max_turn_tokens = 3, .max_episode_tokens = 90}, 40, 0.85,
+      [&](const episodes_result& out) {
+        CHECK(out.stats.at("turns_mean") == 2.0);
+        const auto s = learner.step(out.episodes, text.tok.pad_id());
+        CHECK(s.at("updates") == 2.0);
+        CHECK(std::isfinite(s.at("value_loss")));
+      });
+  CHECK(first < 0.3);
+  CHECK(last > 0.85);
 }
 
 namespace {

@@ -1,17 +1,19 @@
 // Tool calls a model wrote (issue 25): the parser's faults, the schema check, toolboxes composed
 // at compile time (faults, time limits and throws counted, calls run concurrently on the pool),
-// and the chat templates' tool turns.
+// the chat templates' tool turns, a toolbox's selected tools and the built-ins a recipe names.
 #include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include <catch2/catch.hpp>
 #include <nlohmann/json.hpp>
 
+#include <unirl/agents/builtin.hpp>
 #include <unirl/agents/toolbox.hpp>
 #include <unirl/tokenizers/chat.hpp>
 
@@ -190,6 +192,55 @@ TEST_CASE("toolbox: calls run concurrently on the bounded pool, never more than 
 TEST_CASE("toolbox: configuration errors name the value", "[agents][cpu]") {
   CHECK_THROWS_WITH((toolbox<adder, adder>{adder{}, adder{}}), Catch::Contains("two tools are named 'add'"));
   CHECK_THROWS_WITH((toolbox<adder>{{.threads = 0}, adder{}}), Catch::Contains("threads"));
+}
+
+TEST_CASE("toolbox: select keeps the named tools; the others are neither listed nor called", "[agents][cpu]") {
+  toolbox<adder, broken> tools{{.timeout_seconds = 1.0}, adder{}, broken{}};
+  tools.select({"broken"});
+  CHECK(tools.names() == std::vector<std::string>{"broken"});
+  REQUIRE(tools.definitions().size() == 1);
+  CHECK(tools.definitions()[0]["function"]["name"] == "broken");
+  const auto r = tools.call(call_text("add", {{"a", 1}, {"b", 2}}));
+  REQUIRE(r.size() == 1);
+  CHECK(r[0] == "error: there is no tool named 'add'; the tools are broken");
+  CHECK(tools.stats().count(tool_fault::unknown_tool) == 1);
+  tools.select({});
+  CHECK(tools.names().empty());
+  CHECK(tools.definitions().empty());
+  CHECK_THROWS_WITH(tools.select({"add", "mul"}), Catch::Contains("unknown tool 'mul'; the tools are add, broken"));
+}
+
+TEST_CASE("built-ins: the calculator, the arithmetic environment and their registries by name", "[agents][cpu]") {
+  auto tools = make_builtin_toolbox({.timeout_seconds = 1.0});
+  CHECK(tools.names() == builtin_tool_names());
+  CHECK(tools.call(call_text("calculator", {{"expression", "347*58+1"}})) == std::vector<std::string>{"20127"});
+  const auto bad = tools.call(call_text("calculator", {{"expression", "2**3"}}));
+  REQUIRE(bad.size() == 1);
+  CHECK(bad[0] == "error: the tool 'calculator' failed: expected a number at position 2 of '2**3'");
+  CHECK(evaluate_expression("12-3*4") == 0);
+  CHECK_THROWS_WITH(evaluate_expression("1234567890123*1"), Catch::Contains("more than 12 digits"));
+  CHECK_THROWS_WITH(evaluate_expression("999999999999*999999999999"), Catch::Contains("too large"));
+  arithmetic_env env;
+  const auto obs = env.reset(7);
+  CHECK(obs.text == "What is " + env.expression + "?");
+  CHECK(env.answer == evaluate_expression(env.expression));
+  CHECK(env.answer >= 100 * 10);
+  CHECK(env.step(std::to_string(env.answer) + "\n").reward == 1.0);
+  CHECK(env.step(std::to_string(env.answer + 1)).reward == 0.0);
+  CHECK(env.step("").done);
+  int found = 0;
+  with_builtin_environment("arithmetic", [&](auto e) {
+    found += std::is_same_v<decltype(e), arithmetic_env>;
+    CHECK(e.reset(7).text == obs.text);
+  });
+  CHECK(found == 1);
+  CHECK(builtin_environment_names() == std::vector<std::string>{"arithmetic"});
+  CHECK_THROWS_WITH(with_builtin_environment("sokoban", [](auto) {}),
+                    Catch::Contains("unknown environment 'sokoban'; the built-in environments are arithmetic"));
+  CHECK_THROWS_WITH(check_builtin_tools({"calculator", "browser"}),
+                    Catch::Contains("unknown tool 'browser'; the built-in tools are calculator"));
+  CHECK_THROWS_WITH(check_builtin_tools({"calculator", "calculator"}), Catch::Contains("listed twice"));
+  check_builtin_tools({"calculator"});
 }
 
 TEST_CASE("chat templates: tool turns of Qwen2.5 / Hermes and Llama 3.1's ipython role", "[agents][cpu]") {
