@@ -15,7 +15,10 @@
 /// micro-batches, mixed precision or loss scaling) and the network is small
 /// (`exec::small_net_fits`: widths <= 256, <= 100k parameters); otherwise LibTorch.
 /// `exec::small_net` insists (an option the kernels lack is an error naming it). The options are
-/// the trainer's, so one configuration runs on either path.
+/// the trainer's, so one configuration runs on either path. A checkpoint (`save(path, venv)`:
+/// weights, Adam moments and step count, the update count, the environments' running
+/// statistics) loads on either path, and `rollout()` / `set_rollout` hand one collected rollout
+/// to another agent, so both paths can continue from the same state on the same data.
 ///
 /// ```cpp
 /// using agent_t = unirl::ppo_agent<unirl::models::categorical, unirl::envs::cartpole>;
@@ -32,6 +35,7 @@
 #include <cmath>
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <numeric>
 #include <optional>
 #include <random>
@@ -44,17 +48,21 @@
 #include <torch/torch.h>
 
 #include <unirl/algorithms/ppo_env.hpp>
+#include <unirl/concepts/checkpoint.hpp>
 #include <unirl/concepts/environment.hpp>
 #include <unirl/core/error.hpp>
 #include <unirl/core/options.hpp>
 #include <unirl/core/stats.hpp>
+#include <unirl/detail/compat.hpp>
 #include <unirl/envs/vector_env.hpp>
 #include <unirl/exec/policy.hpp>
 #include <unirl/models/actor_critic.hpp>
 #include <unirl/ops/small_net.hpp>
 #include <unirl/rewards/environment.hpp>
+#include <unirl/rollout/env.hpp>
 #include <unirl/train/checkpoint.hpp>
 #include <unirl/train/metrics.hpp>
+#include <unirl/train/optimizer.hpp>
 #include <unirl/train/schedule.hpp>
 #include <unirl/trainer.hpp>
 
@@ -185,28 +193,40 @@ class ppo_agent {
   }
 
   /// Checkpoints the agent (weights, optimizer state, generator, step) and each of `extras`
-  /// (e.g. the `vector_env`) in one file, atomically. On the LibTorch path this is the trainer's
-  /// checkpoint; a checkpoint is read back by an agent on the same path (the weights move between
-  /// paths through `policy()` / `load_policy`).
+  /// (e.g. the `vector_env`, with its running normalisation statistics) in one file, atomically.
+  /// On the LibTorch path this is the trainer's checkpoint. A checkpoint of either path loads on
+  /// either path (see `load`).
   /// ```cpp
   /// agent.save("run/ckpt.pt", venv);   // resume: agent.load("run/ckpt.pt", venv);
   /// ```
   template <class... Extras>
   void save(const std::string& path, const Extras&... extras) const {
-    if (trainer_) trainer_->save(path, extras...);
-    else train::save_with_extras(path, *this, extras...);
+    static_assert((Checkpointable<Extras> && ...),
+                  "unirl::ppo_agent::save: every extra must model unirl::Checkpointable (e.g. the vector_env)");
+    train::save_with_extras(path, *this, extras...);
   }
 
-  /// Restores what `save` wrote (a checkpoint of the other path throws `checkpoint_error`).
+  /// Restores what `save` wrote, on this agent's path or the other one. From the same path the
+  /// run continues bit for bit. From the other path the weights, the Adam moments and step count
+  /// and the update count (hence the learning-rate schedule) convert, and `extras` load as
+  /// always; the random generator does not (the paths draw differently: the kernels keep theirs,
+  /// the LibTorch path keeps LibTorch's), so the continued run equals the other path's on the
+  /// same rollouts (`set_rollout`), not on the same draws. A checkpoint of another architecture
+  /// or optimizer layout throws `checkpoint_error` naming the tensor or entry, before anything
+  /// is changed.
   template <class... Extras>
   void load(const std::string& path, Extras&... extras) {
-    if (trainer_) trainer_->load(path, extras...);
-    else train::load_with_extras(path, *this, "ppo_agent::load", extras...);
+    static_assert((Checkpointable<Extras> && ...),
+                  "unirl::ppo_agent::load: every extra must model unirl::Checkpointable (e.g. a non-const vector_env)");
+    train::load_with_extras(path, *this, "ppo_agent::load", extras...);
   }
 
-  /// The kernels' state into `a` (`save(path)` on the small-network path).
+  /// The agent's state into `a` (what `save(path)` writes besides the extras).
   void save(torch::serialize::OutputArchive& a) const {
-    UNIRL_CHECK(!trainer_, "ppo_agent::save(archive): the LibTorch path saves through save(path, ...)");
+    if (trainer_) {
+      trainer_->save(a);
+      return;
+    }
     train::write_scalar(a, "ppo_agent.path", std::string("small_net"));
     train::write_scalar(a, "step", step_);
     if constexpr (models::has_small_net<Dist>) {
@@ -221,32 +241,151 @@ class ppo_agent {
     train::write_scalar(a, "rng", rng.str());
   }
 
-  /// Restores what `save(archive)` wrote; checks everything before changing anything.
+  /// Restores what `save(archive)` wrote on either path (see `load(path)`); checks everything
+  /// before changing anything.
   void load(torch::serialize::InputArchive& a) {
-    UNIRL_CHECK(!trainer_, "ppo_agent::load(archive): the LibTorch path loads through load(path, ...)");
     const std::string what = "ppo_agent::load";
-    if (!train::has_key(a, "ppo_agent.path"))
-      throw checkpoint_error(what + ": not a small-network agent checkpoint (a trainer's? load it with the same "
-                                    "execution policy that saved it)");
+    const bool kernels_file = train::has_key(a, "ppo_agent.path");
+    if (!kernels_file && !train::has_key(a, "unirl.format"))
+      throw checkpoint_error(what + ": neither a small-network agent's checkpoint nor a trainer's (no entry "
+                                    "'ppo_agent.path' or 'unirl.format')");
+    if (trainer_) {
+      if (kernels_file) load_kernels_file_into_trainer(a, what);
+      else trainer_->load(a);
+      return;
+    }
     if constexpr (models::has_small_net<Dist>) {
       const auto n = net_->parameter_count();
-      const auto p = checked_buffer(a, "parameters", n, what);
-      const auto m = checked_buffer(a, "adam.first", n, what);
-      const auto v = checked_buffer(a, "adam.second", n, what);
-      const auto steps = train::read_scalar<std::int64_t>(a, "adam.steps");
-      const auto step = train::read_scalar<std::int64_t>(a, "step");
-      std::istringstream rng(train::read_scalar<std::string>(a, "rng"));
-      std::mt19937_64 g;
-      rng >> g;
-      if (rng.fail()) throw checkpoint_error(what + ": the stored generator state is unreadable");
+      std::vector<Scalar> p, m, v;
+      std::int64_t steps = 0, step = 0;
+      std::optional<std::mt19937_64> g;
+      if (kernels_file) {
+        p = to_vector(checked_flat(a, "parameters", n, what));
+        m = to_vector(checked_flat(a, "adam.first", n, what));
+        v = to_vector(checked_flat(a, "adam.second", n, what));
+        steps = train::read_scalar<std::int64_t>(a, "adam.steps");
+        step = train::read_scalar<std::int64_t>(a, "step");
+        std::istringstream rng(train::read_scalar<std::string>(a, "rng"));
+        g.emplace();
+        rng >> *g;
+        if (rng.fail()) throw checkpoint_error(what + ": the stored generator state is unreadable");
+      } else {
+        read_trainer_file(a, what, p, m, v, steps, step);
+      }
+      if (steps < 0 || step < 0)
+        throw checkpoint_error(c10::str(what, ": adam.steps = ", steps, ", step = ", step, ": expected >= 0"));
       std::copy(p.begin(), p.end(), net_->parameters());
       std::copy(m.begin(), m.end(), adam_->first().begin());
       std::copy(v.begin(), v.end(), adam_->second().begin());
       adam_->set_steps(steps);
       step_ = step;
-      rng_ = g;
+      if (g) rng_ = *g;
       collected_ = false;
       resumed_ = true;
+    }
+  }
+
+  /// The rollout the last `collect` gathered and no `update` has learned from yet, as an
+  /// `env_rollout` (on the kernels' path, tensors copied from their buffers): to learn from the
+  /// same data on another agent (`set_rollout`), or to look at it.
+  env_rollout rollout() const {
+    if (trainer_) {
+      UNIRL_CHECK(torch_batch_.has_value(), "ppo_agent::rollout: nothing collected; call collect(venv) first");
+      return *torch_batch_;
+    }
+    UNIRL_CHECK(collected_, "ppo_agent::rollout: nothing collected; call collect(venv) first");
+    const auto T = opts_.algorithm.track.rollout_steps, n = num_envs_, rows = T * n;
+    constexpr auto D = env_type::observation_size;
+    constexpr auto C = env_type::action_components;
+    const auto copy = [](const auto* p, std::vector<std::int64_t> shape) {
+      using T_ = std::remove_cvref_t<decltype(*p)>;
+      constexpr auto dt = std::is_same_v<T_, float>    ? torch::kFloat
+                          : std::is_same_v<T_, double> ? torch::kDouble
+                                                       : torch::kLong;
+      return torch::from_blob(const_cast<T_*>(p), shape, dt).clone();
+    };
+    env_rollout r;
+    r.obs = copy(obs_.data(), {rows, D});
+    r.actions = env_type::discrete ? copy(actions_.data(), {rows}) : copy(actions_.data(), {rows, C});
+    r.logprobs = copy(logp_.data(), {rows});
+    r.rewards = copy(rewards_.data(), {rows});
+    r.dones = copy(dones_.data(), {rows});
+    r.values = copy(values_.data(), {rows});
+    r.next_value = copy(next_value_.data(), {n});
+    r.next_done = copy(next_done_.data(), {n});
+    r.num_steps = T;
+    r.num_envs = n;
+    return r;
+  }
+
+  /// Takes `r` as the rollout the next `update` learns from, in place of `collect(venv)`:
+  /// `algorithm.track.rollout_steps` steps of N copies in `env_rollout`'s layout (obs, actions,
+  /// logprobs, rewards, dones, values per row; next_value, next_done per copy), e.g. another
+  /// agent's `rollout()`. A field of another shape or type throws naming it.
+  /// ```cpp
+  /// kernels.collect(venv);
+  /// libtorch.set_rollout(kernels.rollout());   // both now learn from the same transitions
+  /// ```
+  void set_rollout(const env_rollout& r) {
+    const auto T = opts_.algorithm.track.rollout_steps, n = r.num_envs;
+    constexpr auto D = env_type::observation_size;
+    constexpr auto C = env_type::action_components;
+    UNIRL_CHECK(r.num_steps == T, "ppo_agent::set_rollout: num_steps = ", r.num_steps,
+                ": expected algorithm.track.rollout_steps = ", T);
+    UNIRL_CHECK(n >= 1, "ppo_agent::set_rollout: num_envs = ", n, ": expected >= 1");
+    const auto rows = T * n;
+    const auto check = [](const char* name, const torch::Tensor& t, std::vector<std::int64_t> shape, bool integral) {
+      UNIRL_CHECK(t.defined() && t.sizes() == torch::IntArrayRef(shape) && t.is_floating_point() != integral,
+                  "ppo_agent::set_rollout: ", name, " is ",
+                  t.defined() ? c10::str(t.scalar_type(), " of shape ", t.sizes()) : std::string("undefined"),
+                  "; expected ", integral ? "integers" : "floating point", " of shape ", torch::IntArrayRef(shape));
+    };
+    check("obs", r.obs, {rows, D}, false);
+    if constexpr (env_type::discrete) check("actions", r.actions, {rows}, true);
+    else check("actions", r.actions, {rows, C}, false);
+    check("logprobs", r.logprobs, {rows}, false);
+    check("rewards", r.rewards, {rows}, false);
+    check("dones", r.dones, {rows}, false);
+    check("values", r.values, {rows}, false);
+    check("next_value", r.next_value, {n}, false);
+    check("next_done", r.next_done, {n}, false);
+    pending_.clear();
+    pending_["time_collect"] = 0.0;
+    if (trainer_) {
+      const auto dt = trainer_->models().policy.net()->anchor().scalar_type();
+      env_rollout b;
+      b.obs = r.obs.to(torch::kCPU, torch::kFloat).contiguous();
+      b.actions = r.actions.to(torch::kCPU, env_type::discrete ? torch::kLong : torch::kFloat).contiguous();
+      b.logprobs = r.logprobs.to(torch::kCPU, dt).contiguous();
+      b.rewards = r.rewards.to(torch::kCPU, torch::kFloat).contiguous();
+      b.dones = r.dones.to(torch::kCPU, torch::kFloat).contiguous();
+      b.values = r.values.to(torch::kCPU, dt).contiguous();
+      b.next_value = r.next_value.to(torch::kCPU, dt).contiguous();
+      b.next_done = r.next_done.to(torch::kCPU, torch::kFloat).contiguous();
+      b.num_steps = T;
+      b.num_envs = n;
+      torch_batch_.emplace(std::move(b));
+      return;
+    }
+    if constexpr (models::has_small_net<Dist>) {
+      size_buffers(n);
+      const auto into = [](const torch::Tensor& t, auto& buffer) {
+        using T_ = typename std::remove_cvref_t<decltype(buffer)>::value_type;
+        constexpr auto dt = std::is_same_v<T_, float>    ? torch::kFloat
+                            : std::is_same_v<T_, double> ? torch::kDouble
+                                                         : torch::kLong;
+        const auto c = t.to(torch::kCPU, dt).contiguous();
+        std::copy(c.template data_ptr<T_>(), c.template data_ptr<T_>() + c.numel(), buffer.begin());
+      };
+      into(r.obs, obs_);
+      into(r.actions, actions_);
+      into(r.logprobs, logp_);
+      into(r.rewards, rewards_);
+      into(r.dones, dones_);
+      into(r.values, values_);
+      into(r.next_value, next_value_);
+      into(r.next_done, next_done_);
+      collected_ = true;
     }
   }
 
@@ -439,15 +578,135 @@ class ppo_agent {
     constexpr auto dtype = std::is_same_v<Scalar, float> ? torch::kFloat : torch::kDouble;
     return torch::from_blob(const_cast<Scalar*>(p), {n}, dtype).clone();
   }
-  static std::vector<Scalar> checked_buffer(torch::serialize::InputArchive& a, const std::string& key,
-                                            std::int64_t n, const std::string& what) {
-    constexpr auto dtype = std::is_same_v<Scalar, float> ? torch::kFloat : torch::kDouble;
+  // The 1-D floating tensor `key` of `n` elements (float or double: either path's Scalar).
+  static torch::Tensor checked_flat(torch::serialize::InputArchive& a, const std::string& key, std::int64_t n,
+                                    const std::string& what) {
     const auto t = train::read_tensor(a, key, what);
-    if (t.scalar_type() != dtype || t.dim() != 1 || t.numel() != n)
+    if (!t.is_floating_point() || t.dim() != 1 || t.numel() != n)
       throw checkpoint_error(c10::str(what, ": tensor '", key, "' is ", t.scalar_type(), " of shape ", t.sizes(),
-                                      "; expected ", dtype, " of shape (", n, ")"));
-    const auto c = t.contiguous();
-    return std::vector<Scalar>(c.template data_ptr<Scalar>(), c.template data_ptr<Scalar>() + n);
+                                      "; expected a floating tensor of shape (", n,
+                                      ") (this agent's network; was the checkpoint's another architecture?)"));
+    return t;
+  }
+  static std::vector<Scalar> to_vector(const torch::Tensor& t) {
+    constexpr auto dtype = std::is_same_v<Scalar, float> ? torch::kFloat : torch::kDouble;
+    const auto c = t.to(dtype).contiguous();
+    return std::vector<Scalar>(c.template data_ptr<Scalar>(), c.template data_ptr<Scalar>() + c.numel());
+  }
+
+  // A trainer's checkpoint (the LibTorch path's) read into the kernels' layout: the policy's
+  // tensors `policy.<name>`, the AdamW state of the one parameter group by parameter name, the
+  // update count. Nothing is changed here.
+  void read_trainer_file(torch::serialize::InputArchive& a, const std::string& what, std::vector<Scalar>& p,
+                         std::vector<Scalar>& m, std::vector<Scalar>& v, std::int64_t& steps, std::int64_t& step) {
+    const auto n = net_->parameter_count();
+    p.assign(static_cast<std::size_t>(n), Scalar(0));
+    m.assign(static_cast<std::size_t>(n), Scalar(0));
+    v.assign(static_cast<std::size_t>(n), Scalar(0));
+    const auto shape_of = [](const ops::small_net_tensor& t) { return torch::IntArrayRef(t.shape); };
+    const auto put = [](const torch::Tensor& src, const ops::small_net_tensor& t, std::vector<Scalar>& into) {
+      const auto c = to_vector(src.reshape({-1}));
+      std::copy(c.begin(), c.end(), into.begin() + t.offset);
+    };
+    for (const auto& t : net_->tensors()) {
+      const auto key = "policy." + t.name;
+      const auto src = train::read_tensor(a, key, what);
+      if (src.sizes() != shape_of(t))
+        throw checkpoint_error(c10::str(what, ": tensor '", key, "' has shape ", src.sizes(),
+                                        " in the checkpoint; this agent's network has ", shape_of(t)));
+      put(src, t, p);
+    }
+    {
+      torch::Tensor s;
+      if (!a.try_read("unirl.step", s)) throw checkpoint_error(what + ": the checkpoint has no entry 'unirl.step'");
+      step = s.item<std::int64_t>();
+    }
+    auto opt = train::read_archive(a, "optimizer", what);
+    const auto groups = train::read_scalar<std::int64_t>(opt, "optimizer/groups");
+    if (groups != 1)
+      throw checkpoint_error(c10::str(what, ": the checkpoint's optimizer has ", groups,
+                                      " parameter groups; the small-network kernels have one"));
+    const auto count = train::read_scalar<std::int64_t>(opt, "optimizer/g0/count");
+    const auto& ts = net_->tensors();
+    if (count != static_cast<std::int64_t>(ts.size()))
+      throw checkpoint_error(c10::str(what, ": the checkpoint's optimizer holds ", count,
+                                      " parameters; this agent's network has ", ts.size()));
+    std::optional<std::int64_t> first_steps;
+    for (std::int64_t i = 0; i < count; ++i) {
+      const auto pk = "optimizer/g0/p" + std::to_string(i);
+      const auto name = train::read_scalar<std::string>(opt, pk + "/name");
+      const auto it = std::find_if(ts.begin(), ts.end(), [&](const auto& t) { return t.name == name; });
+      if (it == ts.end())
+        throw checkpoint_error(what + ": the checkpoint's optimizer has a parameter '" + name +
+                               "' that this agent's network does not have");
+      std::int64_t s = 0;
+      if (train::has_key(opt, pk + "/step")) {
+        s = train::read_scalar<std::int64_t>(opt, pk + "/step");
+        const auto m1 = train::read_tensor(opt, pk + "/exp_avg", what);
+        const auto m2 = train::read_tensor(opt, pk + "/exp_avg_sq", what);
+        if (m1.sizes() != shape_of(*it) || m2.sizes() != shape_of(*it))
+          throw checkpoint_error(c10::str(what, ": the Adam moments of '", name, "' have shapes ", m1.sizes(), " and ",
+                                          m2.sizes(), "; the parameter has ", shape_of(*it)));
+        put(m1, *it, m);
+        put(m2, *it, v);
+      }
+      if (!first_steps) first_steps = s;
+      if (s != *first_steps)
+        throw checkpoint_error(c10::str(what, ": parameter '", name, "' took ", s, " Adam steps, the first one ",
+                                        *first_steps, "; the small-network kernels step every parameter together"));
+    }
+    steps = first_steps.value_or(0);
+  }
+
+  // A kernels' checkpoint into the trainer (the LibTorch path): weights, AdamW state and the
+  // update count, all checked first.
+  void load_kernels_file_into_trainer(torch::serialize::InputArchive& a, const std::string& what) {
+    if constexpr (!models::has_small_net<Dist>) {
+      throw checkpoint_error(what + ": a small-network kernels' checkpoint cannot hold this policy's distribution");
+    } else {
+      const auto layout = models::small_net_like<Scalar>(policy_, 1);
+      const auto n = layout.parameter_count();
+      const auto p = checked_flat(a, "parameters", n, what);
+      const auto m = checked_flat(a, "adam.first", n, what);
+      const auto v = checked_flat(a, "adam.second", n, what);
+      const auto steps = train::read_scalar<std::int64_t>(a, "adam.steps");
+      const auto step = train::read_scalar<std::int64_t>(a, "step");
+      if (steps < 0 || step < 0)
+        throw checkpoint_error(c10::str(what, ": adam.steps = ", steps, ", step = ", step, ": expected >= 0"));
+      auto& opt = trainer_->optimizer();
+      if (opt.group_count() != 1)
+        throw checkpoint_error(c10::str(what, ": this agent's optimizer has ", opt.group_count(),
+                                        " parameter groups (optim.groups); a kernels' checkpoint has one"));
+      const auto& names = opt.group_param_names(0);
+      const auto& params = opt.group_params(0);
+      std::vector<const ops::small_net_tensor*> of(names.size());
+      for (std::size_t i = 0; i < names.size(); ++i) {
+        for (const auto& t : layout.tensors())
+          if (t.name == names[i]) of[i] = &t;
+        if (!of[i] || params[i].sizes() != torch::IntArrayRef(of[i]->shape))
+          throw checkpoint_error(c10::str(what, ": this agent's parameter '", names[i], "' of shape ",
+                                          params[i].sizes(), " has no counterpart in the kernels' layout"));
+      }
+      const auto slice = [](const torch::Tensor& flat, const ops::small_net_tensor& t, const torch::Tensor& like) {
+        return flat.slice(0, t.offset, t.offset + t.size).view(t.shape).to(like.device(), like.scalar_type()).contiguous();
+      };
+      auto& state = opt.torch_optimizer().state();
+      torch::NoGradGuard ng;
+      for (std::size_t i = 0; i < names.size(); ++i) {
+        params[i].copy_(slice(p, *of[i], params[i]));
+        const auto key = ::unirl::detail::compat::optimizer_state_key_of(params[i]);
+        if (steps == 0) {
+          state.erase(key);
+          continue;
+        }
+        auto s = std::make_unique<torch::optim::AdamWParamState>();
+        s->step(steps);
+        s->exp_avg(slice(m, *of[i], params[i]));
+        s->exp_avg_sq(slice(v, *of[i], params[i]));
+        state[key] = std::move(s);
+      }
+      trainer_->resume_at_step(step);
+    }
   }
 
   using clock = std::chrono::steady_clock;

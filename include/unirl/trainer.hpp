@@ -353,6 +353,15 @@ class trainer {
   /// The update engine (optimizer, schedule, guard, loss scale, clipping, micro-batches, parallel policy).
   train::update_engine<Parallel>& engine() { return engine_; }
   std::int64_t step_count() const { return step_; }
+  /// Continues the count of updates from `step`, as `load` does from a checkpoint's: the
+  /// learning-rate schedule and the metrics' step numbers follow it, and the metrics file is
+  /// appended to. For a state restored from elsewhere (`ppo_agent` loading a checkpoint of the
+  /// small-network kernels into the LibTorch path).
+  void resume_at_step(std::int64_t step) {
+    UNIRL_CHECK(step >= 0, "trainer::resume_at_step: step = ", step, ": expected >= 0");
+    step_ = step;
+    resumed_ = true;
+  }
   torch::Device device() const { return device_; }
   /// `key = value` lines of every option (print it at the start of a run).
   std::string describe() const { return ::unirl::options::to_string(opts_); }

@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <random>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -29,6 +30,8 @@
 #include <unirl/ops/small_net.hpp>
 #include <unirl/train/clip.hpp>
 #include <unirl/train/optimizer.hpp>
+
+#include "fixture_files.hpp"
 
 namespace {
 
@@ -518,4 +521,194 @@ TEST_CASE("ppo_agent on the kernels resumes from save(path, venv) bit for bit", 
   t.load_policy(a.policy());
   const auto pt = t.policy().net()->parameters();
   for (std::size_t i = 0; i < pa.size(); ++i) CHECK(torch::equal(pa[i], pt[i]));
+}
+
+namespace {
+
+// Settings for carrying a run across the paths: one minibatch per epoch (each path shuffles
+// with its own generator; over one minibatch the order changes only the summation order), a
+// linear schedule over 10 updates, otherwise CleanRL's.
+template <class Options>
+Options crossing_settings() {
+  Options o;
+  o.algorithm.clip_low = o.algorithm.clip_high = 0.2;
+  o.algorithm.value_clip = 0.2;
+  o.algorithm.ent_coef = 0.01;
+  o.algorithm.track.rollout_steps = 32;
+  o.optim.lr = 1e-3;
+  o.optim.eps = 1e-5;
+  o.schedule.kind = unirl::train::schedule_kind::linear;
+  o.clip.max_grad_norm = 0.5;
+  o.epochs = 3;
+  o.minibatches = 1;
+  o.progress = false;
+  o.total_steps = 10;
+  o.seed = 5;
+  return o;
+}
+
+template <class E>
+unirl::envs::vector_env<E> crossing_env(std::int64_t seed) {
+  if constexpr (std::is_same_v<E, unirl::envs::pendulum>)
+    return unirl::envs::vector_env<E>({}, {.num_envs = 4,
+                                           .seed = seed,
+                                           .clip_actions = true,
+                                           .normalize_observation = true,
+                                           .normalize_reward = true,
+                                           .reward_gamma = 0.99});
+  else return unirl::envs::vector_env<E>({}, {.num_envs = 4, .seed = seed});
+}
+
+template <class Dist, class Scalar>
+unirl::models::actor_critic<Dist> crossing_policy(std::uint64_t seed) {
+  constexpr bool discrete = std::is_same_v<Dist, unirl::models::categorical>;
+  torch::manual_seed(seed);
+  unirl::models::actor_critic<Dist> p(discrete ? 4 : 3, discrete ? 2 : 1);
+  p.net()->to(dtype_of<Scalar>());
+  return p;
+}
+
+// Trains 3 updates on path A, saves (agent and environments), loads into an agent on path B
+// built from other weights and environments of another seed, then continues 3 updates on both
+// from A's rollouts: B's losses, learning rates and weights equal A's (1e-6 float, 1e-12
+// double, relative to max(1, |A's|)). The Adam moments and step count and the update count
+// must all have converted for that: fresh moments or a schedule restarted at 0 move the weights
+// by ~lr = 1e-3.
+template <class Dist, class E, class Scalar, class ExecA, class ExecB>
+void check_checkpoint_crossing() {
+  using a_t = unirl::ppo_agent<Dist, E, ExecA, Scalar>;
+  using b_t = unirl::ppo_agent<Dist, E, ExecB, Scalar>;
+  const double tol = parity_tolerance<Scalar>();
+  unirl_test::temp_dir dir;
+  const auto file = (dir.path / "ckpt.pt").string();
+  const auto o = crossing_settings<typename a_t::options>();
+  auto venv_a = crossing_env<E>(7);
+  a_t a(crossing_policy<Dist, Scalar>(1), o);
+  for (int i = 0; i < 3; ++i) a.step(venv_a);
+  a.save(file, venv_a);
+
+  auto venv_b = crossing_env<E>(99);
+  b_t b(crossing_policy<Dist, Scalar>(2), o);
+  REQUIRE(a.uses_small_net() != b.uses_small_net());
+  b.load(file, venv_b);
+  CHECK(b.step_count() == 3);
+  {  // the weights convert exactly
+    const auto pa = a.policy().net()->named_parameters(), pb = b.policy().net()->named_parameters();
+    for (const auto& kv : pa) CHECK(torch::equal(kv.value(), pb[kv.key()]));
+  }
+  {  // the environments (and Pendulum's running statistics) came along: the same actions give the same steps
+    using action_t = typename unirl::envs::vector_env<E>::action_scalar;
+    std::vector<action_t> act(4 * unirl::envs::vector_env<E>::action_components);
+    std::vector<float> ra(4), rb(4), da(4), db(4);
+    for (int t = 0; t < 10; ++t) {
+      for (std::size_t i = 0; i < act.size(); ++i) act[i] = static_cast<action_t>((t + i) % 2);
+      venv_a.step(act.data(), ra.data(), da.data());
+      venv_b.step(act.data(), rb.data(), db.data());
+      CHECK(ra == rb);
+      CHECK(da == db);
+    }
+    CHECK(torch::equal(venv_a.observations(), venv_b.observations()));
+  }
+  for (int i = 0; i < 3; ++i) {
+    a.collect(venv_a);
+    b.set_rollout(a.rollout());
+    const auto sa = a.update(), sb = b.update();
+    INFO("continued update " << i << " (A on " << a.path() << ", B on " << b.path() << ")");
+    CHECK(sb.step == sa.step);
+    CHECK(sb.optimizer_steps == sa.optimizer_steps);
+    CHECK(std::abs(sb.learning_rate - sa.learning_rate) <= 1e-15);
+    for (const auto& [name, x, y] : {std::tuple{"loss", sa.loss, sb.loss},
+                                     std::tuple{"policy_loss", sa.policy_loss, sb.policy_loss},
+                                     std::tuple{"value_loss", sa.value_loss, sb.value_loss},
+                                     std::tuple{"entropy", sa.entropy, sb.entropy},
+                                     std::tuple{"grad_norm", sa.grad_norm, sb.grad_norm}}) {
+      INFO(name << ": A " << x << ", B " << y);
+      CHECK(std::abs(x - y) <= tol * std::max(1.0, std::abs(x)));
+    }
+  }
+  const auto pa = a.policy().net()->named_parameters(), pb = b.policy().net()->named_parameters();
+  for (const auto& kv : pa) {
+    INFO(kv.key());
+    CHECK(scaled_difference(pb[kv.key()], kv.value()) <= tol);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("ppo_agent: a checkpoint of the kernels loads on LibTorch and training continues equally",
+          "[cpu][env][small_net]") {
+  torch::set_num_threads(1);
+  using unirl::exec::reference;
+  using unirl::exec::small_net;
+  using unirl::models::categorical;
+  using unirl::models::diag_gaussian;
+  SECTION("CartPole, float") {
+    check_checkpoint_crossing<categorical, unirl::envs::cartpole, float, small_net, reference>();
+  }
+  SECTION("CartPole, double") {
+    check_checkpoint_crossing<categorical, unirl::envs::cartpole, double, small_net, reference>();
+  }
+  SECTION("Pendulum with normalisation, float") {
+    check_checkpoint_crossing<diag_gaussian, unirl::envs::pendulum, float, small_net, reference>();
+  }
+}
+
+TEST_CASE("ppo_agent: a checkpoint of LibTorch loads on the kernels and training continues equally",
+          "[cpu][env][small_net]") {
+  torch::set_num_threads(1);
+  using unirl::exec::reference;
+  using unirl::exec::small_net;
+  using unirl::models::categorical;
+  using unirl::models::diag_gaussian;
+  SECTION("CartPole, float") {
+    check_checkpoint_crossing<categorical, unirl::envs::cartpole, float, reference, small_net>();
+  }
+  SECTION("CartPole, double") {
+    check_checkpoint_crossing<categorical, unirl::envs::cartpole, double, reference, small_net>();
+  }
+  SECTION("Pendulum with normalisation, float") {
+    check_checkpoint_crossing<diag_gaussian, unirl::envs::pendulum, float, reference, small_net>();
+  }
+}
+
+TEST_CASE("ppo_agent: a checkpoint of another architecture is refused naming the tensor; a rollout of another "
+          "shape naming the field",
+          "[cpu][env][small_net]") {
+  using kernels_t = unirl::ppo_agent<unirl::models::categorical, unirl::envs::cartpole, unirl::exec::small_net>;
+  using torch_t = unirl::ppo_agent<unirl::models::categorical, unirl::envs::cartpole, unirl::exec::reference>;
+  unirl_test::temp_dir dir;
+  const auto o = crossing_settings<kernels_t::options>();
+  auto venv = crossing_env<unirl::envs::cartpole>(7);
+  const auto small = [] { return unirl::models::categorical_actor_critic(4, 2, {.hidden = {32}}); };
+  const auto wide = [] { return unirl::models::categorical_actor_critic(4, 2); };  // 64 x 64
+
+  kernels_t k(small(), o);
+  k.step(venv);
+  k.save((dir.path / "k.pt").string(), venv);
+  torch_t t_wide(wide(), o);
+  const auto before = t_wide.policy().net()->parameters()[0].clone();
+  // One hidden layer of 32: 160 + 33 (critic) + 160 + 66 (actor) = 419 parameters; 64 x 64 has 9,155.
+  CHECK_THROWS_WITH(t_wide.load((dir.path / "k.pt").string(), venv),
+                    Catch::Matchers::Contains("tensor 'parameters' is Float of shape [419]") &&
+                        Catch::Matchers::Contains("shape (9155)"));
+  CHECK(torch::equal(t_wide.policy().net()->parameters()[0], before));  // nothing changed
+
+  torch_t t(small(), o);
+  t.step(venv);
+  t.save((dir.path / "t.pt").string(), venv);
+  kernels_t k_wide(wide(), o);
+  CHECK_THROWS_WITH(k_wide.load((dir.path / "t.pt").string(), venv),
+                    Catch::Matchers::Contains("tensor 'policy.critic.0.weight' has shape [32, 4]") &&
+                        Catch::Matchers::Contains("[64, 4]"));
+  CHECK(k_wide.step_count() == 0);
+
+  k.collect(venv);
+  auto r = k.rollout();
+  r.values = r.values.slice(0, 0, 10);
+  CHECK_THROWS_WITH(t.set_rollout(r), Catch::Matchers::Contains("values is Float of shape [10]") &&
+                                          Catch::Matchers::Contains("shape [128]"));
+  r = k.rollout();
+  r.num_steps = 16;
+  CHECK_THROWS_WITH(k.set_rollout(r), Catch::Matchers::Contains("num_steps = 16") &&
+                                          Catch::Matchers::Contains("rollout_steps = 32"));
 }
