@@ -137,7 +137,7 @@ inline http_reply failure(unsigned status, std::string_view what, bool log) {
   if (log) {
     static std::mutex m;
     std::lock_guard lock(m);
-    std::cerr << "unirl reward server: HTTP " << status << ": " << what << std::endl;
+    std::cerr << "unirl server: HTTP " << status << ": " << what << std::endl;
   }
   return {status, error_body(what)};
 }
@@ -163,7 +163,9 @@ class json_http_server {
  public:
   using handler = std::function<http_reply(const http_request_view&)>;
 
-  json_http_server(handler h, server_options o) : handler_(std::move(h)), opts_(std::move(o)) {
+  /// `name` says which service speaks in its messages ("the <name> has 1024 requests queued").
+  json_http_server(handler h, server_options o, std::string name = "reward server")
+      : handler_(std::move(h)), opts_(std::move(o)), name_(std::move(name)) {
     unirl::options::validate(opts_);
   }
   json_http_server(const json_http_server&) = delete;
@@ -181,7 +183,7 @@ class json_http_server {
     UNIRL_CHECK(!running_, "json_http_server::start: already running on port ", port_);
     boost::system::error_code ec;
     const auto address = net::ip::make_address(opts_.host, ec);
-    if (ec) throw runtime_failure("unirl: reward server: '" + opts_.host + "' is not an IP address: " + ec.message());
+    if (ec) throw runtime_failure("unirl: " + name_ + ": '" + opts_.host + "' is not an IP address: " + ec.message());
     max_open_ = fit_file_limit();
     ioc_ = std::make_unique<net::io_context>(static_cast<int>(opts_.io_threads));
     acceptor_ = std::make_unique<tcp::acceptor>(net::make_strand(*ioc_));
@@ -195,7 +197,7 @@ class json_http_server {
       retry_timer_.reset();
       acceptor_.reset();
       ioc_.reset();
-      throw runtime_failure("unirl: reward server cannot listen on " + opts_.host + ":" + std::to_string(opts_.port) +
+      throw runtime_failure("unirl: " + name_ + " cannot listen on " + opts_.host + ":" + std::to_string(opts_.port) +
                             ": " + ec.message());
     }
     port_ = acceptor_->local_endpoint().port();
@@ -308,7 +310,7 @@ class json_http_server {
       sock.non_blocking(true, ignored);
       if (srv.stopping_) return close();
       if (!regular)  // over the connection limit: say so at once
-        return send(detail::busy("the reward server has " + std::to_string(srv.max_open_) +
+        return send(detail::busy("the " + srv.name_ + " has " + std::to_string(srv.max_open_) +
                                  " connections open (max_connections" +
                                  (srv.max_open_ < srv.opts_.max_connections ? ", limited by RLIMIT_NOFILE" : "") +
                                  "); retry later"),
@@ -330,7 +332,7 @@ class json_http_server {
         body_admitted = true;
         const auto want = reader.content_length().value_or(static_cast<std::uint64_t>(srv.opts_.max_body_bytes));
         if (!srv.reserve_body(want))
-          return send(detail::busy("the reward server holds " + std::to_string(srv.body_held_.load()) +
+          return send(detail::busy("the " + srv.name_ + " holds " + std::to_string(srv.body_held_.load()) +
                                    " bytes of request bodies (max_body_bytes_total = " +
                                    std::to_string(srv.body_limit_total()) + "); retry later"),
                       reader.version(), false);
@@ -397,7 +399,7 @@ class json_http_server {
       version = req.version();
       keep_alive = req.keep_alive();
       if (!srv.enqueue(job{this->shared_from_this(), std::move(req)}))
-        send(detail::busy("the reward server has " + std::to_string(srv.opts_.queue_depth) +
+        send(detail::busy("the " + srv.name_ + " has " + std::to_string(srv.opts_.queue_depth) +
                           " requests queued (queue_depth); retry later"),
              version, false);
     }
@@ -409,7 +411,7 @@ class json_http_server {
       res = {};
       res.version(v);
       res.result(reply.status);
-      res.set(http::field::server, "unirl-reward-server");
+      res.set(http::field::server, srv.server_header_);
       res.set(http::field::content_type, "application/json");
       for (const auto& [k, val] : reply.headers) res.set(k, val);
       res.keep_alive(keep && !srv.stopping_);
@@ -513,6 +515,11 @@ class json_http_server {
     bool regular;
   };
 
+  static std::string replace_spaces(std::string s) {
+    std::replace(s.begin(), s.end(), ' ', '-');
+    return s;
+  }
+
   http_read_limits read_limits() const {
     return {.max_header_bytes = static_cast<std::size_t>(opts_.max_header_bytes),
             .max_body_bytes = static_cast<std::uint64_t>(opts_.max_body_bytes),
@@ -541,9 +548,9 @@ class json_http_server {
     }
     if (r.rlim_cur == RLIM_INFINITY || r.rlim_cur >= needed) return opts_.max_connections;
     const std::int64_t fits = static_cast<std::int64_t>(r.rlim_cur) - open_now - spare - reserve;
-    UNIRL_CHECK(fits >= 1, "unirl reward server: RLIMIT_NOFILE = ", r.rlim_cur, " (hard ", r.rlim_max, ") with ",
+    UNIRL_CHECK(fits >= 1, "unirl ", name_, ": RLIMIT_NOFILE = ", r.rlim_cur, " (hard ", r.rlim_max, ") with ",
                 open_now, " files open leaves no room for connections; raise it (ulimit -n)");
-    std::cerr << "unirl reward server: max_connections = " << opts_.max_connections << " needs " << needed
+    std::cerr << "unirl " << name_ << ": max_connections = " << opts_.max_connections << " needs " << needed
               << " file descriptors, RLIMIT_NOFILE is " << r.rlim_cur << " (hard " << r.rlim_max
               << "): serving at most " << fits << " connections (raise the limit with ulimit -n, or lower max_connections)"
               << std::endl;
@@ -645,6 +652,8 @@ class json_http_server {
 
   handler handler_;
   server_options opts_;
+  std::string name_;
+  std::string server_header_ = "unirl-" + replace_spaces(name_);
   std::unique_ptr<boost::asio::io_context> ioc_;
   std::unique_ptr<boost::asio::ip::tcp::acceptor> acceptor_;
   std::unique_ptr<boost::asio::steady_timer> retry_timer_;

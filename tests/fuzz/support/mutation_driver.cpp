@@ -2,9 +2,8 @@
 // -fsanitize=fuzzer: those that include LibTorch < 2.1, whose headers clang rejects in C++20
 // (see tests/fuzz/cmake/CMakeLists.txt). Linked with a tests/fuzz/fuzz_*.cpp target and built
 // with the project's compiler and -fsanitize=address,undefined by scripts/fuzz.sh.
-// No coverage feedback: each input is the seed corpus mutated at random (bit flips, byte sets,
-// inserts, erasures, duplicated ranges, dictionary tokens, splices of two seeds, truncation),
-// 1-8 mutations from a seed or from the previous input. Deterministic for a given -seed.
+// No coverage feedback: each input is the seed corpus mutated at random (mutator.hpp).
+// Deterministic for a given -seed.
 // Accepts the libFuzzer flags fuzz.sh passes: -max_total_time=S -runs=N -seed=N -dict=FILE
 // -max_len=N -artifact_prefix=P, then corpus directories (files are read, nothing is written
 // there). Before a crash (sanitizer report, abort, uncaught exception, signal) the input is
@@ -25,6 +24,8 @@
 #include <vector>
 
 #include <unistd.h>
+
+#include "mutator.hpp"
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size);
 
@@ -109,41 +110,11 @@ int main(int argc, char** argv) {
 
   std::printf("INFO: mutation driver (no coverage feedback): %zu seed inputs, %zu dictionary tokens, seed %llu\n",
               corpus.size(), dict.size(), static_cast<unsigned long long>(seed));
-  std::mt19937_64 rng(seed);
-  auto below = [&](std::size_t n) { return n == 0 ? std::size_t{0} : static_cast<std::size_t>(rng() % n); };
+  unirl_fuzz::mutator mutate(corpus, dict, seed, max_len);
   const auto start = std::chrono::steady_clock::now();
-  std::string x;
   for (g_run = 0; runs < 0 || g_run < runs; ++g_run) {
     if ((g_run & 63) == 0 && std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() > max_time) break;
-    if (g_run < static_cast<long long>(corpus.size())) {
-      x = corpus[static_cast<std::size_t>(g_run)];  // every seed once, unchanged
-    } else {
-      if (x.empty() || below(4) == 0) x = corpus[below(corpus.size())];
-      const auto k = 1 + below(8);
-      for (std::size_t m = 0; m < k; ++m) {
-        const std::size_t at = below(x.size() + 1);
-        switch (below(9)) {
-          case 0: if (!x.empty()) x[below(x.size())] ^= static_cast<char>(1u << below(8)); break;
-          case 1: if (!x.empty()) x[below(x.size())] = static_cast<char>(rng()); break;
-          case 2: x.insert(at, 1 + below(4), static_cast<char>(rng())); break;
-          case 3: if (at < x.size()) x.erase(at, 1 + below(std::min<std::size_t>(16, x.size() - at))); break;
-          case 4: if (at < x.size()) x.insert(below(x.size() + 1), x.substr(at, 1 + below(std::min<std::size_t>(64, x.size() - at)))); break;
-          case 5: if (!dict.empty()) x.insert(at, dict[below(dict.size())]); break;
-          case 6: {
-            const auto& o = corpus[below(corpus.size())];
-            if (!o.empty()) x = x.substr(0, at) + o.substr(below(o.size()));
-            break;
-          }
-          case 7: x.resize(at); break;
-          default: {  // an interesting integer as text
-            static const char* nums[] = {"0", "-1", "1e309", "-0", "18446744073709551616", "9223372036854775808",
-                                         "4294967296", "nan", "1e-400", "65536"};
-            x.insert(at, nums[below(std::size(nums))]);
-          }
-        }
-      }
-      if (x.size() > max_len) x.resize(max_len);
-    }
+    const std::string& x = mutate.next();
     g_current = x;
     LLVMFuzzerTestOneInput(reinterpret_cast<const std::uint8_t*>(x.data()), x.size());
   }

@@ -24,8 +24,12 @@
 
 #include <unirl/models/char_tokenizer.hpp>
 #include <unirl/models/gpt.hpp>
+#include <unirl/agents/remote_environment.hpp>
+#include <unirl/envs/guess_number.hpp>
 #include <unirl/multi_turn.hpp>
 #include <unirl/tokenizers/tokenizers.hpp>
+
+#include "env_server_child.hpp"
 
 using namespace unirl;
 using namespace unirl::agents;
@@ -691,4 +695,43 @@ TEST_CASE("episodes: overlapped tool calls against lockstep (benchmark)", "[.][b
     std::printf("  overlapped / lockstep = %.2fx\n", eps[0] / eps[1]);
     CHECK(eps[0] > eps[1]);
   }
+}
+
+TEST_CASE("episodes: run_episodes over a remote environment (another process) equals the same rollout in process",
+          "[agents][cpu][env_service]") {
+  const aliased_text text;
+  auto model = make_policy(text.vocab(), 400);
+  model.bias[text.tok.id('\n')] = 3.0;                                // short turns
+  for (char c = '0'; c <= '9'; ++c) model.bias[text.tok.id(c)] = 3.0;  // that often hold a number
+  model.bias[text.tok.pad_id()] = -1e4;
+  model.bias[text.alias()] = -1e4;
+  const envs::guess_number game{{.low = 1, .high = 9, .max_guesses = 4}};
+  env_service_test::child_env_server server{game, {}};
+  const remote_environment remote{{.url = server.base(), .timeout_s = 10}};
+  std::int64_t encodes = 0;
+  const auto io = text.io(&encodes);
+  const agent_options o{.format = tokenizers::chat_format::plain, .max_turns = 4, .max_turn_tokens = 8,
+                        .max_episode_tokens = 360, .engine = {.block_size = 8}};
+  torch::NoGradGuard ng;
+  const std::vector<std::uint64_t> seeds{3, 4, 5};
+  const auto here = run_episodes(model, game, seeds, /*group=*/4, io, o);
+  const auto there = run_episodes(model, remote, seeds, /*group=*/4, io, o);
+  REQUIRE(there.episodes.size() == here.episodes.size());
+  std::int64_t turns = 0, won = 0;
+  for (std::size_t i = 0; i < here.episodes.size(); ++i) {
+    const auto& a = here.episodes[i];
+    const auto& b = there.episodes[i];
+    CHECK(b.tokens == a.tokens);  // the observations (tokenized once) and the policy's tokens
+    CHECK(b.policy == a.policy);
+    CHECK(b.logp == a.logp);
+    CHECK(b.turn_rewards == a.turn_rewards);
+    CHECK(b.turn_texts == a.turn_texts);
+    CHECK(b.end == a.end);
+    CHECK(b.reward == a.reward);
+    turns += a.turns();
+    won += a.reward == 1.0;
+  }
+  CHECK(turns > static_cast<std::int64_t>(here.episodes.size()));  // multi-turn: replies went back and forth
+  INFO("episodes won: " << won << " of " << here.episodes.size());
+  CHECK(there.stats.at("reward_mean") == here.stats.at("reward_mean"));
 }
