@@ -307,7 +307,7 @@ elseif(CASE STREQUAL "agents")
   set(agent environment.name=arithmetic environment.max_turns=2 environment.max_turn_tokens=8 ${quick})
   run(a steps=1 out=${WORK}/a environment.name=sokoban ${quick})
   expect("an unknown environment was not named with the known ones:\n${a}" NOT a MATCHES "^0\n"
-         AND a MATCHES "environment.name.: unknown environment 'sokoban'. the built-in environments are arithmetic")
+         AND a MATCHES "environment.name.: unknown environment 'sokoban'. the built-in environments are arithmetic, guess_number")
   run(b steps=1 out=${WORK}/b ${agent} tools=calculator,browser)
   expect("an unknown tool was not named with the known ones:\n${b}" NOT b MATCHES "^0\n"
          AND b MATCHES "tools.: unknown tool 'browser'. the built-in tools are calculator")

@@ -27,6 +27,7 @@
 #include <unirl/agents/toolbox.hpp>
 #include <unirl/concepts/text_agent.hpp>
 #include <unirl/core/error.hpp>
+#include <unirl/envs/guess_number.hpp>
 
 namespace unirl::agents {
 
@@ -113,7 +114,8 @@ inline constexpr auto builtin_tools = boost::hana::make_tuple(
 
 /// The built-in text environments (`environment.name` of a recipe). One line each.
 inline constexpr auto builtin_environments = boost::hana::make_tuple(
-    builtin<arithmetic_env>{"arithmetic", "\"What is A*B?\" (3 x 2 digits); 1 for the right final answer"});
+    builtin<arithmetic_env>{"arithmetic", "\"What is A*B?\" (3 x 2 digits); 1 for the right final answer"},
+    builtin<envs::guess_number>{"guess_number", "guess a number in 1..100 from higher / lower replies; 1 for a right guess"});
 
 namespace detail {
 template <class... T>

@@ -236,7 +236,7 @@ TEST_CASE("built-ins: the calculator, the arithmetic environment and their regis
   CHECK(found == 1);
   CHECK(builtin_environment_names() == std::vector<std::string>{"arithmetic"});
   CHECK_THROWS_WITH(with_builtin_environment("sokoban", [](auto) {}),
-                    Catch::Contains("unknown environment 'sokoban'; the built-in environments are arithmetic"));
+                    Catch::Contains("unknown environment 'sokoban'; the built-in environments are arithmetic, guess_number"));
   CHECK_THROWS_WITH(check_builtin_tools({"calculator", "browser"}),
                     Catch::Contains("unknown tool 'browser'; the built-in tools are calculator"));
   CHECK_THROWS_WITH(check_builtin_tools({"calculator", "calculator"}), Catch::Contains("listed twice"));
