@@ -12,7 +12,9 @@
 # format:     the export records its prompt format and a run on it uses that by default;
 # greedy:     sampling.temperature = 0 is greedy: the same completions as top_k = 1;
 # agents:     environment / tools names checked before any work (the known ones listed), a
-#             multi-turn run trains with grpo and ppo (environment.name, tools).
+#             multi-turn run trains with grpo and ppo (environment.name, tools);
+# engine:     training rollouts go through the rollout engine by default (its figures in every
+#             metrics row); sampling.engine=false is the static batch; greedy runs agree on both.
 foreach(v TOOL RECIPE WORK CASE)
   if(NOT DEFINED ${v})
     message(FATAL_ERROR "${v} is not set")
@@ -345,7 +347,37 @@ elseif(CASE STREQUAL "agents")
     string(JSON after GET "${sj}" accuracy_after)
     expect("${alg}: held-out return ${before} -> ${after}" before GREATER_EQUAL 0 AND after GREATER_EQUAL 0)
   endforeach()
+elseif(CASE STREQUAL "engine")
+  # The recipe's Qwen2 decoder is a PagedCausalLM: the default samples through the rollout engine,
+  # and every metrics row carries the engine's step count and peak KV bytes; engine=false draws
+  # the static batch (no engine figures). Greedy (temperature 0) draws no random number, so both
+  # train on the same completions: equal rewards at every step.
+  execute_process(COMMAND "${TOOL}" --print-recipe RESULT_VARIABLE rc OUTPUT_VARIABLE p ERROR_VARIABLE e TIMEOUT 60)
+  expect("--print-recipe: sampling.engine is not true by default:\n${p}${e}" rc EQUAL 0 AND p MATCHES "\"engine\": true")
+  run(a steps=2 out=${WORK}/engine ${quick} sampling.temperature=0)
+  run(b steps=2 out=${WORK}/static ${quick} sampling.temperature=0 sampling.engine=false)
+  expect("a greedy run failed:\n${a}\n${b}" a MATCHES "^0\n" AND b MATCHES "^0\n")
+  file(STRINGS "${WORK}/engine/metrics.jsonl" ra)
+  file(STRINGS "${WORK}/static/metrics.jsonl" rb)
+  list(LENGTH ra na)
+  list(LENGTH rb nb)
+  expect("metrics rows: ${na} on the engine, ${nb} static; expected 2 each" na EQUAL 2 AND nb EQUAL 2)
+  foreach(i 0 1)
+    list(GET ra ${i} la)
+    list(GET rb ${i} lb)
+    string(JSON steps ERROR_VARIABLE missing GET "${la}" "engine/steps")
+    expect("step ${i} did not sample on the engine (no engine/steps): ${la}" NOT missing AND steps GREATER 0)
+    string(JSON kv GET "${la}" "engine/peak_kv_bytes")
+    expect("step ${i}: engine/peak_kv_bytes = ${kv}" kv GREATER 0)
+    string(JSON none ERROR_VARIABLE absent GET "${lb}" "engine/steps")
+    expect("step ${i} with sampling.engine=false reports engine figures: ${lb}" absent)
+    foreach(k reward_mean reward_std reward_min reward_max)
+      string(JSON va GET "${la}" ${k})
+      string(JSON vb GET "${lb}" ${k})
+      expect("step ${i} ${k}: ${va} on the engine, ${vb} static (greedy)" va EQUAL vb)
+    endforeach()
+  endforeach()
 else()
-  message(FATAL_ERROR "CASE = ${CASE}: expected algorithms, preflight, export, device, signal, help, format, greedy or agents")
+  message(FATAL_ERROR "CASE = ${CASE}: expected algorithms, preflight, export, device, signal, help, format, greedy, agents or engine")
 endif()
 message(STATUS "unirl-train ${CASE}: ok")

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <concepts>
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -92,16 +93,29 @@ torch::Tensor chunked_logprob(const M& model, const token_rollout& batch, double
   return torch::cat(parts, 0);
 }
 
-/// `info.group_size` completions per prompt: through the rollout engine with `s.engine` (a
-/// `PagedCausalLM`; another model is an error naming the option), else `sample_tokens`.
+/// `info.group_size` completions per prompt: through the rollout engine when `s.engine` (the
+/// default) and the model is a `PagedCausalLM`, else the static batch of `sample_tokens` (a model
+/// without the paged forward is chosen at compile time and always samples there). The engine's
+/// figures go to the step statistics (host counts, no device read; summed over a step's draws,
+/// peaks the largest): `engine/steps`, `engine/peak_blocks`, `engine/peak_kv_bytes`,
+/// `engine/prefix_hit_tokens`, `engine/preemptions`.
 template <CausalLM M>
 token_rollout draw_completions(const M& model, const prompt_batch& input, const step_info& info,
                                const sampling_options& s) {
   if constexpr (PagedCausalLM<M>) {
-    if (s.engine) return rollout::sample_tokens_engine(model, input, info.group_size, s, info.device);
-  } else {
-    UNIRL_CHECK(!s.engine, "sampling.engine = true: the policy model does not implement PagedCausalLM (",
-                "concepts/causal_lm.hpp); expected false for it");
+    if (s.engine) {
+      rollout::engine_summary sum;
+      auto batch = rollout::sample_tokens_engine(model, input, info.group_size, s, info.device, {}, &sum);
+      if (info.extra) {  // summed over a step's draws (dynamic sampling draws again), peaks the largest
+        auto& x = *info.extra;
+        x["engine/steps"] += static_cast<double>(sum.steps);
+        x["engine/prefix_hit_tokens"] += static_cast<double>(sum.prefix_hit_tokens);
+        x["engine/preemptions"] += static_cast<double>(sum.preemptions);
+        x["engine/peak_blocks"] = std::max(x["engine/peak_blocks"], static_cast<double>(sum.peak_blocks));
+        x["engine/peak_kv_bytes"] = std::max(x["engine/peak_kv_bytes"], static_cast<double>(sum.peak_kv_bytes));
+      }
+      return batch;
+    }
   }
   return sample_tokens(model, input, info.group_size, s, info.device);
 }

@@ -60,6 +60,7 @@
 #include <unirl/core/batch.hpp>
 #include <unirl/core/context.hpp>
 #include <unirl/core/error.hpp>
+#include <unirl/core/host.hpp>
 #include <unirl/core/options.hpp>
 #include <unirl/core/precision.hpp>
 #include <unirl/core/stats.hpp>
@@ -243,6 +244,14 @@ class rollout_worker {
   model_set<Model>& models() { return models_; }
   Reward& reward() { return reward_; }
   const worker_options& settings() const { return wo_; }
+  /// The algorithm's figures of the last batch sampled (what `step_info::report` received, e.g.
+  /// the rollout engine's `engine/steps`, or `sampler_logp_max_diff`); its tensor figures are read
+  /// here, when asked, not while sampling.
+  std::map<std::string, double> figures() const {
+    auto out = figures_;
+    for (const auto& [k, v] : tensor_figures_) out[k] = to_host(v).at(0);
+    return out;
+  }
 
   ~rollout_worker() { discard_pending(); }
 
@@ -273,6 +282,8 @@ class rollout_worker {
       out.batch = algorithm_.sample(models_, input_of(version_), info);
       if (!overlapping()) out.rewards = reward_(out.batch);
     }
+    figures_ = std::move(extra);
+    tensor_figures_ = std::move(pending);
     out.policy_version = version_;
     ++batches_;
     if (!overlapping()) {
@@ -348,6 +359,8 @@ class rollout_worker {
   std::int64_t version_ = -1, batches_ = 0;
   in_line_scorer in_line_{this};
   std::optional<versioned_batch<rollout_type>> pending_;  // sampled, being scored (overlap_scoring)
+  std::map<std::string, double> figures_;                  // the last sampling's reports
+  std::map<std::string, torch::Tensor> tensor_figures_;    // ... of tensors, read by figures()
   std::future<torch::Tensor> scoring_;
 };
 

@@ -40,12 +40,20 @@ inline engine_options engine_options_for(std::int64_t sequences, std::int64_t to
   return base;
 }
 
+/// What one `sample_tokens_engine` call did: its engine steps (one host read each that samples),
+/// the most KV blocks in use at once and their bytes, the prompt tokens the prefix cache served,
+/// the preemptions.
+struct engine_summary {
+  std::int64_t steps = 0, peak_blocks = 0, peak_kv_bytes = 0, prefix_hit_tokens = 0, preemptions = 0;
+};
+
 /// `sample_tokens(model, in, group_size, s, device)` through the engine (see the file comment).
-/// The model runs on its own device; the batch lands on `device`. Call under `torch::NoGradGuard`.
+/// The model runs on its own device; the batch lands on `device`; `summary`, when given, receives
+/// the engine's figures. Call under `torch::NoGradGuard`.
 template <PagedCausalLM M>
 token_rollout sample_tokens_engine(const M& model, const prompt_batch& in, std::int64_t group_size,
                                    const sampling_options& s, torch::Device device = torch::kCPU,
-                                   engine_options eo = {}) {
+                                   engine_options eo = {}, engine_summary* summary = nullptr) {
   s.validate("sampling.");
   UNIRL_CHECK(in.texts.empty() || in.texts.size() == in.tokens.size(), "sample_tokens_engine: ", in.texts.size(),
               " prompt texts for ", in.tokens.size(), " prompts");
@@ -61,7 +69,17 @@ token_rollout sample_tokens_engine(const M& model, const prompt_batch& in, std::
     eng.submit({.prompt = in.tokens[static_cast<std::size_t>(p)], .sampling = s,
                 .seed = static_cast<std::uint64_t>(sp[p]), .n = group_size});
   std::vector<result> by_sample(static_cast<std::size_t>(B));
-  for (auto& r : eng.run()) by_sample[static_cast<std::size_t>(r.request * group_size + r.sample)] = std::move(r);
+  engine_summary sum;
+  while (eng.has_work()) {
+    for (auto& r : eng.step()) by_sample[static_cast<std::size_t>(r.request * group_size + r.sample)] = std::move(r);
+    const auto& st = eng.stats();
+    sum.peak_blocks = std::max(sum.peak_blocks, st.used_blocks);
+    sum.peak_kv_bytes = std::max(sum.peak_kv_bytes, st.kv_bytes);
+  }
+  sum.steps = eng.stats().steps;
+  sum.prefix_hit_tokens = eng.stats().prefix_hit_tokens;
+  sum.preemptions = eng.stats().preemptions;
+  if (summary) *summary = sum;
 
   std::int64_t T = 1;
   for (const auto& r : by_sample) T = std::max<std::int64_t>(T, static_cast<std::int64_t>(r.tokens.size()));

@@ -23,16 +23,17 @@ namespace unirl {
 /// `top_p` (1 = all). The recorded log-probabilities are those of the temperature-scaled
 /// distribution before top-k / top-p truncation: the distribution the loss evaluates.
 /// `temperature = 0` is greedy: exactly `top_k = 1` at temperature 1 (draw and log-probs).
-/// `engine` draws through the rollout engine (rollout/engine.hpp: continuous batching over a
-/// paged KV cache, one random stream per sample) instead of the static batch of `sample_tokens`;
-/// the model must then be a `PagedCausalLM` (the built-in GPT and the Hugging Face decoders are).
+/// `engine` (the default) draws through the rollout engine (rollout/engine.hpp: continuous
+/// batching over a paged KV cache, one random stream per sample) when the model is a
+/// `PagedCausalLM` (the built-in GPT and the Hugging Face decoders are); `false`, or a model that
+/// is not one (chosen at compile time), draws the static batch of `sample_tokens`.
 struct sampling_options {
   std::int64_t max_new_tokens = 16;
   double temperature = 1.0;
   std::int64_t top_k = 0;
   double top_p = 1.0;
   std::vector<std::int64_t> stop_tokens{};
-  bool engine = false;
+  bool engine = true;
 
   void validate(const std::string& prefix) const {
     options::require(max_new_tokens >= 1, prefix + "max_new_tokens", max_new_tokens, ">= 1");
@@ -57,4 +58,4 @@ inline constexpr std::array unirl::options::field_docs<unirl::sampling_options>{
     unirl::options::field_doc{"top_k", "sample among the k most likely tokens; 0 = all"},
     unirl::options::field_doc{"top_p", "sample among the smallest set of tokens whose probability reaches p; 1 = all"},
     unirl::options::field_doc{"stop_tokens", "token ids that end a completion (kept in it)"},
-    unirl::options::field_doc{"engine", "sample through the rollout engine (continuous batching, paged KV cache); the model must be a PagedCausalLM"}};
+    unirl::options::field_doc{"engine", "sample through the rollout engine (continuous batching, paged KV cache) when the model is a PagedCausalLM; false = the static batch of sample_tokens"}};

@@ -1,5 +1,6 @@
 // `sample_tokens_engine`: the contract of `sample_tokens` through the engine (layout, replay
-// parity of the behaviour log-probs), and GRPO through unirl::trainer sampling on the engine.
+// parity of the behaviour log-probs); GRPO through unirl::trainer and through the split mode's
+// rollout_worker sampling on the engine by default.
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -9,6 +10,8 @@
 
 #include <unirl/algorithms/grpo.hpp>
 #include <unirl/models/gpt.hpp>
+#include <unirl/parallel/colocated.hpp>
+#include <unirl/parallel/rollout_worker.hpp>
 #include <unirl/rollout/engine_sampler.hpp>
 #include <unirl/trainer.hpp>
 
@@ -81,13 +84,12 @@ TEST_CASE("engine sampler: the batch layout of sample_tokens; replaying it throu
   }
 }
 
-TEST_CASE("engine sampler: GRPO through unirl::trainer with sampling.engine raises the reward; the first update's "
-          "ratio is 1", "[cpu][rollout][engine][integration]") {
+TEST_CASE("engine sampler: GRPO through unirl::trainer samples on the engine by default and raises the reward; the "
+          "first update's ratio is 1", "[cpu][rollout][engine][integration]") {
   using algo_t = algo::grpo<>;
   trainer<models::gpt, algo_t, count_ones> t{
       trainer_gpt(), count_ones{},
-      {.algorithm = {.clip_high = 0.28, .agg = algo::loss_agg::token_mean,
-                     .sampling = {.max_new_tokens = 6, .engine = true}},
+      {.algorithm = {.clip_high = 0.28, .agg = algo::loss_agg::token_mean, .sampling = {.max_new_tokens = 6}},
        .optim = {.lr = 3e-3},
        .group_size = 8,
        .seed = 7,
@@ -99,6 +101,62 @@ TEST_CASE("engine sampler: GRPO through unirl::trainer with sampling.engine rais
     if (s < 3) first += st.reward_mean / 3;
     if (s >= 22) last += st.reward_mean / 3;
     if (s == 0) CHECK(st.ratio_mean == Approx(1.0).margin(1e-6));
+    // The default drew through the engine: 6 steps (4 groups of 8 live at once, no stop token).
+    CHECK(st.extra.at("engine/steps") == 6.0);
   }
   CHECK(last > first + 0.3);
+}
+
+TEST_CASE("engine sampler: the split mode's rollout_worker samples on the engine by default; the behaviour log-probs "
+          "it pushes equal the learner's recompute", "[cpu][rollout][engine][integration]") {
+  using algo_t = algo::grpo<>;
+  using tr_t = parallel::colocated_transport<token_rollout>;
+  // pi_old is the batch's behaviour log-probs (no recompute): the learner's ratio is exp(its
+  // log-probs - the engine's), 1 only if the two agree.
+  auto opts = [](bool engine) {
+    return trainer_options<algo_t>{
+        .algorithm = {.agg = algo::loss_agg::token_mean, .recompute_old_logp = false,
+                      .sampling = {.max_new_tokens = 6, .temperature = 0.8, .engine = engine}},
+        .optim = {.lr = 3e-3},
+        .group_size = 8,
+        .seed = 11,
+        .progress = false};
+  };
+  const prompt_batch in{.tokens = {{2}, {3, 4}, {5}, {6, 7}}};
+  torch::manual_seed(4);
+  trainer<models::gpt, algo_t, count_ones> t{trainer_gpt(), count_ones{}, opts(true)};
+  tr_t tr;
+  parallel::rollout_worker<models::gpt, algo_t, count_ones, tr_t> w(trainer_gpt(), count_ones{}, opts(true), tr);
+  parallel::learner l(t, tr);
+  for (int k = 0; k < 3; ++k) {
+    INFO("version " << k);
+    REQUIRE(w.run_once(in));
+    const auto f = w.figures();
+    // Through the engine: 6 steps; at the peak each of the 32 samples holds one block of its own
+    // (16 slots: the 1-2 prompt tokens and 6 completion tokens; the group's shared partial block
+    // copied on its first write by 7 of the 8), of 2 layers x (K, V) x 32 floats per slot.
+    CHECK(f.at("engine/steps") == 6.0);
+    CHECK(f.at("engine/peak_blocks") == 32.0);
+    CHECK(f.at("engine/peak_kv_bytes") == 32.0 * 16 * 2 * 2 * 32 * 4);
+    auto b = tr.pop(k);
+    REQUIRE(b.has_value());
+    CHECK(b->policy_version == k);
+    {
+      torch::NoGradGuard ng;
+      auto& policy = t.models().policy;  // the weights of version k, which the worker fetched
+      policy.train(false);
+      const auto lp = models::completion_logprob(policy, b->batch, 0.8, false).first * b->batch.completion_mask;
+      CHECK((lp - b->batch.old_logp).abs().max().item<double>() <= 1e-5);
+    }
+    REQUIRE(tr.push(std::move(*b)));
+    const auto st = l.step();
+    REQUIRE(st.has_value());
+    CHECK(st->ratio_mean == Approx(1.0).margin(1e-5));
+  }
+  // engine = false: the static batch of sample_tokens, no engine figures.
+  tr_t tr2;
+  parallel::rollout_worker<models::gpt, algo_t, count_ones, tr_t> ws(trainer_gpt(), count_ones{}, opts(false), tr2);
+  tr2.publish(parallel::policy_state(t.models().policy), 0);
+  REQUIRE(ws.run_once(in));
+  CHECK(ws.figures().count("engine/steps") == 0);
 }

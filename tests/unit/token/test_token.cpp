@@ -805,44 +805,57 @@ TEST_CASE("exec::reference through a whole GRPO step and a whole PPO step gives 
   CHECK(ref_softmax > def_softmax);
 }
 
-TEST_CASE("a GRPO step reads the device a bounded number of times: once per minibatch, twice per step",
-          "[cpu][token][sync]") {
+TEST_CASE("a GRPO step reads the device a bounded number of times: once per minibatch, twice per step, once per "
+          "engine step", "[cpu][token][sync]") {
   // Host synchronisations = every `.item()` (aten::_local_scalar_dense, LibTorch's and ours) plus
   // every whole-tensor read through unirl::to_host. Before the statistics became tensors these
   // were 78 per step with 1 minibatch and 215 with 4 (same model, prompts and sampling); with
   // the statistics as tensors 24 and 31 (a stop test and multinomial's two validation reads per
   // decoded token, a shared-prompt check and the dynamic padding per minibatch).
   const prompt_batch in{.tokens = {{2}, {3, 4}, {5}, {6, 7}}};
-  auto measure = [&](std::int64_t minibatches) {
+  struct counted {
+    std::int64_t items, reads;
+    double engine_steps;
+  };
+  auto measure = [&](std::int64_t minibatches, bool engine) {
     torch::manual_seed(0);
     trainer<models::gpt, algo::grpo<>, count_target> t{
         small_gpt(), count_target{},
-        {.algorithm = {.sampling = {.max_new_tokens = 6}}, .group_size = 8, .minibatches = minibatches,
-         .progress = false}};
+        {.algorithm = {.sampling = {.max_new_tokens = 6, .engine = engine}}, .group_size = 8,
+         .minibatches = minibatches, .progress = false}};
     t.step(in);  // warm-up
     op_counter c;
     const auto reads_before = host_reads();
     const auto s = t.step(in);
     REQUIRE(s.optimizer_steps == minibatches);
-    return std::pair{c.count("aten::_local_scalar_dense"), host_reads() - reads_before};
+    return counted{c.count("aten::_local_scalar_dense"), host_reads() - reads_before,
+                   s.extra.count("engine/steps") ? s.extra.at("engine/steps") : 0.0};
   };
-  const auto [items1, reads1] = measure(1);
-  const auto [items4, reads4] = measure(4);
-  WARN("host synchronisations per GRPO step: " << items1 + reads1 << " with 1 minibatch (" << items1
-                                               << " .item(), " << reads1 << " to_host), " << items4 + reads4
-                                               << " with 4 (" << items4 << " .item(), " << reads4 << " to_host)");
-  // The trainer's own reads: the rewards, one per minibatch (the found-non-finite flag with the
-  // loss and the gradient norm), the statistics.
-  CHECK(reads1 == 2 + 1);
-  CHECK(reads4 == 2 + 4);
-  // Nothing else: the sampler draws without multinomial's validation reads and needs no stop test
-  // without stop tokens; the dynamic padding and the shared-prompt layout take the sampled
-  // batch's host lengths. What is left are two reads inside LibTorch's CPU `std` of all elements
-  // (the reward and advantage figures; none on CUDA).
-  CHECK(items1 <= 2);
-  CHECK(items4 <= 2);
-  CHECK(items1 + reads1 <= 5);
-  CHECK(items4 + reads4 <= 8);
+  for (const bool engine : {true, false}) {
+    INFO((engine ? "the rollout engine (the default)" : "the static sampler (engine = false)"));
+    const auto one = measure(1, engine), four = measure(4, engine);
+    WARN("host synchronisations per GRPO step, " << (engine ? "engine" : "static") << ": " << one.items + one.reads
+                                                 << " with 1 minibatch (" << one.items << " .item(), " << one.reads
+                                                 << " to_host), " << four.items + four.reads << " with 4 ("
+                                                 << four.items << " .item(), " << four.reads << " to_host)");
+    // The engine reads once per step that samples (the drawn tokens, their log-probs, a NaN
+    // flag): 6 here, every completion 6 tokens long (no stop token) and the 32 samples live at
+    // once. The static sampler reads none: it needs no stop test without stop tokens.
+    const std::int64_t sampling_reads = engine ? 6 : 0;
+    CHECK(one.engine_steps == static_cast<double>(sampling_reads));
+    CHECK(four.engine_steps == static_cast<double>(sampling_reads));
+    // The trainer's own reads: the rewards, one per minibatch (the found-non-finite flag with the
+    // loss and the gradient norm), the statistics.
+    CHECK(one.reads == 2 + 1 + sampling_reads);
+    CHECK(four.reads == 2 + 4 + sampling_reads);
+    // Nothing else: neither sampler uses multinomial's validation reads; the dynamic padding and
+    // the shared-prompt layout take the sampled batch's host lengths. What is left are two reads
+    // inside LibTorch's CPU `std` of all elements (the reward and advantage figures; none on CUDA).
+    CHECK(one.items <= 2);
+    CHECK(four.items <= 2);
+    CHECK(one.items + one.reads <= 5 + sampling_reads);
+    CHECK(four.items + four.reads <= 8 + sampling_reads);
+  }
 }
 
 TEST_CASE("sampler: stop tokens are read every stop_check_interval tokens, lengths and text in the last read",
