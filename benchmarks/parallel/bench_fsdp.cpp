@@ -2,7 +2,8 @@
 // (parallel::data_parallel, parallel::zero stage 2, parallel::fully_sharded) on Qwen2.5-0.5B's
 // shapes (benchmarks/common/qwen_shapes.hpp, random weights), SFT steps over Gloo on this
 // machine (docs/performance.md). A plain program: it starts its own rank processes.
-//   bench_fsdp [--layers 4] [--ranks 2] [--steps 4] [--rows 2] [--tokens 64] [--strategies dp,zero2,zero3]
+//   bench_fsdp [--layers 4] [--ranks 2] [--steps 4] [--rows 2] [--tokens 64] [--vocab 151936]
+//              [--strategies dp,zero2,zero3]
 // Each rank trains on `rows` sequences of `tokens` tokens per step; the first step is a warm-up,
 // the others are timed (median). The bytes are the engine's accounting
 // (`update_engine::peak_model_state_bytes`: parameters, gradients, AdamW's moments; ZeRO-3 adds the
@@ -44,13 +45,13 @@ using gloo_dp = unirl::parallel::data_parallel<unirl::parallel::gloo>;
 namespace {
 
 struct settings {
-  std::int64_t layers = 4, ranks = 2, steps = 4, rows = 2, tokens = 64;
+  std::int64_t layers = 4, ranks = 2, steps = 4, rows = 2, tokens = 64, vocab = 151936;
   std::vector<std::string> strategies{"dp", "zero2", "zero3"};
 };
 
 unirl::train::sft_batch batch(std::int64_t step, int rank, const settings& s) {
   std::mt19937_64 gen(static_cast<std::uint64_t>(1000 * step + rank));
-  std::uniform_int_distribution<std::int64_t> id(1, 151000);
+  std::uniform_int_distribution<std::int64_t> id(1, s.vocab - 1);
   std::vector<std::vector<std::int64_t>> prompts, completions;
   for (std::int64_t i = 0; i < s.rows; ++i) {
     std::vector<std::int64_t> p(static_cast<std::size_t>(s.tokens / 2)), c(static_cast<std::size_t>(s.tokens / 2));
@@ -65,7 +66,10 @@ unirl::train::sft_batch batch(std::int64_t step, int rank, const settings& s) {
 template <class Parallel>
 nlohmann::json train(Parallel par, int rank, const settings& s) {
   torch::manual_seed(1);
-  lm model(unirl_bench::qwen_shapes(s.layers));
+  auto c = unirl_bench::qwen_shapes(s.layers);
+  c.vocab_size = s.vocab;
+  c.eos_token_id = {s.vocab - 1};
+  lm model(c);
   unirl::train::sft_trainer<lm, Parallel> t(
       std::move(model), {.optim = {.lr = 1e-4}, .batch_size = s.rows, .steps = s.steps, .progress = false},
       std::move(par));
@@ -107,7 +111,7 @@ int child(const std::string& strategy, int rank, const std::string& store, const
 
 std::vector<std::string> flags_of(const settings& s) {
   return {"--layers", std::to_string(s.layers), "--ranks", std::to_string(s.ranks), "--steps", std::to_string(s.steps),
-          "--rows", std::to_string(s.rows), "--tokens", std::to_string(s.tokens)};
+          "--rows", std::to_string(s.rows), "--tokens", std::to_string(s.tokens), "--vocab", std::to_string(s.vocab)};
 }
 
 // Every rank of `strategy` as a process of this program; their results.
@@ -162,6 +166,7 @@ int main(int argc, char** argv) try {
     else if (a == "--steps") s.steps = std::stoll(next());
     else if (a == "--rows") s.rows = std::stoll(next());
     else if (a == "--tokens") s.tokens = std::stoll(next());
+    else if (a == "--vocab") s.vocab = std::stoll(next());
     else if (a == "--strategies") s.strategies = unirl_bench::split(next(), ',');
     else if (a == "--child") {
       child_strategy = next();
@@ -170,11 +175,11 @@ int main(int argc, char** argv) try {
       out = next();
     } else throw std::runtime_error("unknown flag '" + a + "'");
   }
-  if (s.layers < 1 || s.ranks < 1 || s.steps < 2 || s.rows < 1 || s.tokens < 2)
-    throw std::runtime_error("expected --layers >= 1, --ranks >= 1, --steps >= 2, --rows >= 1, --tokens >= 2");
+  if (s.layers < 1 || s.ranks < 1 || s.steps < 2 || s.rows < 1 || s.tokens < 2 || s.vocab < 2)
+    throw std::runtime_error("expected --layers >= 1, --ranks >= 1, --steps >= 2, --rows >= 1, --tokens >= 2, --vocab >= 2");
   if (child_rank >= 0) return child(child_strategy, child_rank, store, out, s);
   const std::string self = fs::canonical("/proc/self/exe").string();
-  std::cout << "Qwen2.5-0.5B shapes, " << s.layers << " layers, " << s.ranks << " ranks over Gloo, " << s.rows << " x "
+  std::cout << "Qwen2.5-0.5B shapes, " << s.layers << " layers, vocabulary " << s.vocab << ", " << s.ranks << " ranks over Gloo, " << s.rows << " x "
             << s.tokens << " tokens per rank and step, median of " << s.steps - 1 << " steps\n\n"
             << "| strategy | peak model state / rank | vs dp | AdamW state / rank | step | vs zero2 | peak RSS / rank |\n"
             << "|---|---|---|---|---|---|---|\n";

@@ -36,10 +36,10 @@
 /// uses the global norm (`grad_norm`). Frozen parameters (a LoRA base) are not sharded.
 ///
 /// Memory (`peak_bytes`, the engine's `peak_model_state_bytes`): the shards, their gradients and
-/// AdamW's moments (1/W of the unsharded run's each) plus what is gathered at one time: the
-/// rest's parameters and gradient buffer, and at most two blocks' parameters with one block's
-/// gradient buffer (the current one, the prefetched one). Gloo's own staging buffers are not
-/// counted.
+/// AdamW's moments (1/W of the unsharded run's each) plus what is live at one time: the rest's
+/// parameters and gradient buffer, at most two blocks' parameters (the current one, the
+/// prefetched one) and two blocks' gradient buffers (the current one, the previous one in its
+/// reduce). Gloo's own staging buffers are not counted.
 ///
 /// Checkpoints: `save_sharded(dir, optimizer)` writes `rank<r>.ckpt` on every rank (its chunks of
 /// the values and of AdamW's moments, checksummed) and rank 0 writes `manifest.json` (world size,
@@ -148,18 +148,8 @@ class fully_sharded {
   void all_reduce_gradients(const std::vector<torch::Tensor>&) { s_->finish_backward(); }
 
   /// The L2 norm over all ranks of the gradients of `params` (this rank's views): a collective.
-  torch::Tensor grad_norm(const std::vector<torch::Tensor>& params) {
-    torch::NoGradGuard no_grad;
-    auto sq = torch::zeros({1}, torch::kFloat64);
-    for (const auto& p : params)
-      if (p.defined() && p.grad().defined()) sq += p.grad().detach().norm().to(torch::kFloat64).pow(2).cpu();
-    if (world_size() > 1) {
-      std::vector<torch::Tensor> t{sq.to(s_->device)};
-      s_->dp.process_group().allreduce(t)->wait();
-      sq = t[0].cpu();
-    }
-    return sq.sqrt().reshape({}).to(s_->device);
-  }
+  torch::Tensor grad_norm(const std::vector<torch::Tensor>& params) { return s_->dp.sharded_grad_norm(params, s_->device); }
+
 
   /// Nothing to bring back: the next forward gathers the stepped shards.
   void after_optimizer_step(const std::vector<torch::Tensor>&) {}

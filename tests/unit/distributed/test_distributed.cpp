@@ -865,8 +865,9 @@ TEST_CASE("ZeRO-3 on 2 and 3 ranks trains what one unsharded process trains, wit
         INFO("weights after 4 steps vs one process: largest |difference| - 1e-4 |weight| = " << excess);
         CHECK(excess <= 1e-5);
         // Memory, as the engine counts it: the shards (1/N of the parameters, gradients and moments)
-        // plus what is gathered at one time: the rest (embedding, final norm) with its gradient
-        // buffer, two blocks (the current and the prefetched one) and one block's gradient buffer.
+        // plus what is live at one time: the rest (embedding, final norm) with its gradient buffer
+        // and, with two layers, three block-sized buffers (block 0's parameters and gradients while
+        // block 1's gradients are in their reduce; or both blocks' parameters in the forward).
         const double block = x["largest_block_bytes"].get<double>(), rest = x["rest_bytes"].get<double>();
         const double peak = x["model_state_bytes"].get<double>();
         std::cout << mode << " " << world << " ranks, rank " << r << ": peak model state " << peak << " bytes, unsharded "
