@@ -4,6 +4,9 @@
 /// `parallel::single_device`, the identity strategy every trainer and `train::update_engine`
 /// defaults to (here, with the concept, so that the layers below `parallel/` can name it).
 #include <concepts>
+#include <cstddef>
+#include <memory>
+#include <string>
 #include <vector>
 
 #include <torch/torch.h>
@@ -39,6 +42,8 @@ namespace unirl {
 ///   number of times on every rank); after `all_reduce_gradients` only the pieces hold gradients;
 /// - `void after_optimizer_step(const std::vector<torch::Tensor>& params)` — after the optimizer
 ///   stepped the pieces: brings every rank the owners' new values of `params`.
+/// Optional on top (`FullyShardedParallelStrategy`: the parameters are sharded too, ZeRO-3, as
+/// `parallel::fully_sharded` does): `attach_blocks(prefixes)` and `begin_forward()` (below).
 template <class P>
 concept ParallelStrategy = requires(P& p, const P& cp, const std::vector<torch::Tensor>& ts, const torch::Tensor& v,
                                     bool b) {
@@ -59,6 +64,49 @@ concept ShardedParallelStrategy = ParallelStrategy<P> && requires(P& p, const na
   { p.grad_norm(ts) } -> std::same_as<torch::Tensor>;
   p.after_optimizer_step(ts);
 };
+
+/// Code a model runs around each of its blocks (the decoder layers of a language model), so that a
+/// policy that keeps only a slice of every parameter (`parallel::fully_sharded`, ZeRO-3) can
+/// gather a block's parameters just before its forward and release them after it.
+///
+/// ```cpp
+/// for (std::size_t l = 0; l < layers.size(); ++l) {   // in a model's forward
+///   if (hooks) hooks->before_block(l);
+///   x = layers[l]->forward(x);
+///   if (hooks) x = hooks->after_block(l, x);
+/// }
+/// ```
+/// `before_block(l)` runs before block l's forward, and again inside its recomputation when the
+/// block is activation-checkpointed; `after_block(l, y)` gets the block's output and returns the
+/// tensor the rest of the model reads (`y` itself, with a gradient hook on it under autograd).
+struct block_hooks {
+  virtual ~block_hooks() = default;
+  virtual void before_block(std::size_t block) = 0;
+  virtual torch::Tensor after_block(std::size_t block, const torch::Tensor& output) = 0;
+};
+
+/// A model made of blocks run in order (`models::hf::causal_lm`): `block_prefixes()` names each
+/// block's parameters by prefix (`model.layers.3.`), `set_block_hooks(h)` makes its forwards call
+/// `h` around each block (null: no hooks).
+template <class M>
+concept BlockStructuredModel = requires(M& m, const M& cm, std::shared_ptr<block_hooks> h) {
+  m.set_block_hooks(h);
+  { cm.block_prefixes() } -> std::convertible_to<std::vector<std::string>>;
+};
+
+/// A `ShardedParallelStrategy` that shards the parameters as well (ZeRO-3 / FSDP):
+/// - `std::shared_ptr<block_hooks> attach_blocks(const std::vector<std::string>& prefixes)` — the
+///   hooks to give a `BlockStructuredModel` whose blocks have these prefixes; called before
+///   `owned_parameters`, which then lays out one flat shard per block (and one for the rest);
+/// - `void begin_forward()` — before each forward of an update (every micro-batch): the
+///   parameters outside the blocks are gathered there; the blocks' by the hooks.
+/// `update_engine::bind_model(model, who)` wires both.
+template <class P>
+concept FullyShardedParallelStrategy =
+    ShardedParallelStrategy<P> && requires(P& p, const std::vector<std::string>& prefixes) {
+      { p.attach_blocks(prefixes) } -> std::convertible_to<std::shared_ptr<block_hooks>>;
+      p.begin_forward();
+    };
 
 }  // namespace unirl
 

@@ -298,6 +298,22 @@ class data_parallel {
     if (r_.broadcast_every > 0 && ++syncs_ % r_.broadcast_every == 0) broadcast(params, 0);
   }
 
+  /// The L2 norm over all ranks of the gradients of `params` when each rank passes its own pieces
+  /// (a sharding strategy's `grad_norm`): every rank's sum of squares, all-reduced on `device`, the
+  /// norm returned there as a () tensor. A collective.
+  torch::Tensor sharded_grad_norm(const std::vector<torch::Tensor>& params, torch::Device device) {
+    torch::NoGradGuard no_grad;
+    auto sq = torch::zeros({1}, torch::kFloat64);
+    for (const auto& p : params)
+      if (p.defined() && p.grad().defined()) sq += p.grad().detach().norm().to(torch::kFloat64).pow(2).cpu();
+    if (world_size_ > 1) {
+      std::vector<torch::Tensor> t{sq.to(device)};
+      group_->allreduce(t)->wait();
+      sq = t[0].cpu();
+    }
+    return sq.sqrt().reshape({}).to(device);
+  }
+
   /// Blocks until every rank arrives.
   void barrier() { group_->barrier()->wait(); }
 

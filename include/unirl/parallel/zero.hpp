@@ -169,18 +169,8 @@ class zero {
   /// The L2 norm over all ranks of the gradients of `params` (each rank passes its own pieces,
   /// e.g. the optimizer's parameters or one group of them): every rank's sum of squares,
   /// all-reduced. A collective: every rank calls it the same number of times.
-  torch::Tensor grad_norm(const std::vector<torch::Tensor>& params) {
-    torch::NoGradGuard no_grad;
-    auto sq = torch::zeros({1}, torch::kFloat64);
-    for (const auto& p : params)
-      if (p.defined() && p.grad().defined()) sq += p.grad().detach().norm().to(torch::kFloat64).pow(2).cpu();
-    if (world_size() > 1) {
-      std::vector<torch::Tensor> t{sq.to(collective_device())};
-      dp_.process_group().allreduce(t)->wait();
-      sq = t[0].cpu();
-    }
-    return sq.sqrt().reshape({}).to(layout_.empty() ? torch::Device(torch::kCPU) : layout_.front().param.device());
-  }
+  torch::Tensor grad_norm(const std::vector<torch::Tensor>& params) { return dp_.sharded_grad_norm(params, collective_device()); }
+
 
   /// After the optimizer stepped this rank's pieces: every rank receives every owner's new
   /// values (one all-gather of equal, padded chunks).

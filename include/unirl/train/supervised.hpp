@@ -268,7 +268,7 @@ class supervised_trainer {
     if (opts_.seed >= 0) torch::manual_seed(static_cast<std::uint64_t>(opts_.seed + engine_.parallel().rank()));
     model_.to(device_);
     if (engine_.parallel().world_size() > 1) engine_.parallel().broadcast(tensors_of(state()), 0);
-    engine_.bind(model_.named_parameters(), "supervised_trainer");
+    engine_.bind_model(model_, "supervised_trainer");  // under ZeRO-3 also the block hooks
   }
 
   /// One optimizer step on `batch` through the engine: the objective's loss under the precision's
@@ -379,6 +379,10 @@ class supervised_trainer {
   void save(const std::string& path, const Extras&... extras) const {
     static_assert((Checkpointable<Extras> && ...),
                   "unirl::train::supervised_trainer::save: every extra must model unirl::Checkpointable");
+    static_assert(!FullyShardedParallelStrategy<Parallel> || sizeof...(Extras) < 0,
+                  "unirl::train::supervised_trainer::save: under a FullyShardedParallelStrategy every rank holds a "
+                  "slice of the weights: save with engine().parallel().save_sharded(dir, optim()) and export with "
+                  "engine().parallel().with_full_weights(...) (parallel/fully_sharded.hpp)");
     write_checkpoint(path, [&](torch::serialize::OutputArchive& a) {
       a.write("unirl.format", torch::tensor(std::int64_t{1}));
       write_scalar(a, "unirl.stage", std::string(Objective::name));
@@ -398,6 +402,9 @@ class supervised_trainer {
   void load(const std::string& path, Extras&... extras) {
     static_assert((Checkpointable<Extras> && ...),
                   "unirl::train::supervised_trainer::load: every extra must model unirl::Checkpointable");
+    static_assert(!FullyShardedParallelStrategy<Parallel> || sizeof...(Extras) < 0,
+                  "unirl::train::supervised_trainer::load: under a FullyShardedParallelStrategy resume with "
+                  "engine().parallel().load_sharded(dir, optim()) (parallel/fully_sharded.hpp)");
     read_checkpoint(path, [&](torch::serialize::InputArchive& a) {
       const std::string stage = has_key(a, "unirl.stage") ? read_scalar<std::string>(a, "unirl.stage") : "";
       if (stage != Objective::name)

@@ -43,6 +43,7 @@
 #include <memory>
 #include <string>
 #include <type_traits>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -198,6 +199,20 @@ class update_engine {
     if constexpr (sharded) shards_ = optimizer_->parameters();
   }
 
+  /// `bind(model.named_parameters(), who)`, and first, under a `FullyShardedParallelStrategy`
+  /// (ZeRO-3, `parallel::fully_sharded`), the policy's block hooks into `model` (which must be a
+  /// `BlockStructuredModel`): its blocks' parameters are then gathered around each block's forward.
+  template <class Model>
+  void bind_model(Model& model, const std::string& who) {
+    if constexpr (FullyShardedParallelStrategy<Parallel>) {
+      static_assert(BlockStructuredModel<Model>,
+                    "unirl::train::update_engine::bind_model: a FullyShardedParallelStrategy needs a model that "
+                    "models BlockStructuredModel (set_block_hooks and block_prefixes; see concepts/parallel.hpp)");
+      model.set_block_hooks(parallel_.attach_blocks(model.block_prefixes()));
+    }
+    bind(model.named_parameters(), who);
+  }
+
   /// Starts optimizer step(s) of owner step `step` (0-based): the schedule's learning rate, and
   /// the step number of skip messages. Returns the default group's learning rate.
   double begin_step(std::int64_t step) {
@@ -218,7 +233,9 @@ class update_engine {
     update_outcome<R> r;
     optim().zero_grad();
     r.terms = forward_backward(batch, loss, normaliser, prepare);  // total detached; gradients in place
+    note_model_state();
     parallel_.all_reduce_gradients(params_);
+    note_model_state();
     // Under a sharding policy only this rank's pieces (`shards_`) hold gradients now, and norms are
     // the policy's global ones.
     const std::vector<torch::Tensor>& live = sharded ? shards_ : params_;
@@ -272,6 +289,7 @@ class update_engine {
     r.grad_spike = guard_.observe_grad_norm(r.grad_norm);
     optimizer_->step();
     if constexpr (sharded) parallel_.after_optimizer_step(params_);  // the owners' new values everywhere
+    note_model_state();
     r.taken = true;
     return r;
   }
@@ -333,6 +351,32 @@ class update_engine {
   const update_options& options() const { return opts_; }
   torch::Device device() const { return device_; }
 
+  /// Bytes of AdamW state (the moments) this rank's optimizer holds now.
+  std::int64_t optimizer_state_bytes() const {
+    std::int64_t bytes = 0;
+    if (!optimizer_) return 0;
+    for (const auto& [key, st] : optimizer_->torch_optimizer().state()) {
+      (void)key;
+      const auto& a = static_cast<const torch::optim::AdamWParamState&>(*st);
+      for (const auto& t : {a.exp_avg(), a.exp_avg_sq(), a.max_exp_avg_sq()})
+        if (t.defined()) bytes += t.numel() * static_cast<std::int64_t>(t.element_size());
+    }
+    return bytes;
+  }
+  /// The highest bytes of parameters and gradients this rank held in any step so far (each storage
+  /// counted once), measured after the backward, after the gradient reduction and after the
+  /// optimizer step; under a policy that counts its own (`peak_bytes()`, `parallel::fully_sharded`:
+  /// its gathered blocks and gradient buffers inside the forward and backward) the larger of both.
+  std::int64_t peak_parameter_gradient_bytes() const {
+    std::int64_t peak = peak_pg_;
+    if constexpr (requires(const Parallel& p) { { p.peak_bytes() } -> std::convertible_to<std::int64_t>; })
+      peak = std::max<std::int64_t>(peak, parallel_.peak_bytes());
+    return peak;
+  }
+  /// Peak model-state bytes of this rank: `peak_parameter_gradient_bytes()` plus
+  /// `optimizer_state_bytes()` (the data-parallel, ZeRO-2 and ZeRO-3 figures of docs/performance.md).
+  std::int64_t peak_model_state_bytes() const { return peak_parameter_gradient_bytes() + optimizer_state_bytes(); }
+
  private:
   // The forward and backward of `batch`, under the precision's autocast (the backward outside it,
   // as torch.autocast wants), the loss multiplied by the loss scale when scaling is on. With
@@ -345,6 +389,7 @@ class update_engine {
     const std::int64_t k = opts_.micro_batch_size;
     auto backward = [&](const torch::Tensor& l) { (scaling_ ? scaler_.scale(l) : l).backward(); };
     auto forward = [&](const Batch& b, std::int64_t m) {
+      if constexpr (FullyShardedParallelStrategy<Parallel>) parallel_.begin_forward();  // the parameters outside the blocks
       autocast_scope amp(device_, opts_.precision);
       return loss(b, m);
     };
@@ -388,6 +433,23 @@ class update_engine {
     }
   }
 
+  // The bytes of the parameters' and gradients' storages (each once) into the running peak.
+  void note_model_state() {
+    std::unordered_set<const void*> seen;
+    std::int64_t bytes = 0;
+    auto add = [&](const torch::Tensor& t) {
+      if (!t.defined() || !t.has_storage()) return;
+      const auto* impl = t.storage().unsafeGetStorageImpl();
+      if (seen.insert(impl).second) bytes += static_cast<std::int64_t>(impl->nbytes());
+    };
+    for (const auto* list : {&params_, &shards_})
+      for (const auto& p : *list) {
+        add(p);
+        add(p.grad());
+      }
+    peak_pg_ = std::max(peak_pg_, bytes);
+  }
+
   update_options opts_;
   torch::Device device_;
   Parallel parallel_;
@@ -399,6 +461,7 @@ class update_engine {
   std::vector<torch::Tensor> shards_;                               // sharded: the optimizer's pieces
   std::vector<std::pair<std::string, double>> shard_clip_groups_;  // ... and the groups clipped on their own
   std::int64_t step_ = 0;
+  std::int64_t peak_pg_ = 0;  // bytes: see peak_parameter_gradient_bytes
 };
 
 }  // namespace unirl::train

@@ -38,6 +38,7 @@
 
 #include "common/bandit.hpp"
 #include "common/digits.hpp"
+#include "fsdp_modes.hpp"  // fsdp_single, fsdp_sft*, fsdp_resume, fsdp_fault
 #include "zero_modes.hpp"  // zero_train*, zero_resume*, zero_direct*, powersgd
 
 // The bandit's batch, reflected here so that the c10d transport can carry it (core/batch.hpp).
@@ -869,6 +870,15 @@ int main(int argc, char** argv) try {
                                                              : split(mode);
     std::ofstream(std::string(argv[5]) + "." + rank + ".json") << out.dump();
     return 0;
+  }
+  if (mode.rfind("fsdp_", 0) == 0) {  // rank and world as arguments or, given "env", torchrun's variables
+    const bool env = std::string(argv[2]) == "env";
+    const int rank = std::stoi(env ? std::getenv("RANK") : argv[2]);
+    const int world = std::stoi(env ? std::getenv("WORLD_SIZE") : argv[3]);
+    if (const auto z = fsdp_modes::run(mode, rank, world, argv[4], argv[5])) {
+      std::ofstream(std::string(argv[5]) + "." + std::to_string(rank) + ".json") << z->dump();
+      return 0;
+    }
   }
   const int rank = std::stoi(argv[2]), world = std::stoi(argv[3]);
   if (const auto z = zero_modes::run(mode, rank, world, argv[4], argv[5])) {

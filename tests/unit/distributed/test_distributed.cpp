@@ -815,3 +815,95 @@ TEST_CASE("PowerSGD with error feedback: rank-r gradients travel exactly, the ru
     CHECK(s[2].get<double>() > 0.1);
   }
 }
+
+// ---- fully sharded data parallelism (parallel/fully_sharded.hpp, ZeRO-3): SFT on the Qwen2 fixture ----
+
+namespace {
+// The largest excess of |a - b| over the relative part of allclose's tolerance (1e-4 |b|), over
+// every parameter of two {name: values} objects (the same names): allclose(a, b, 1e-4, 1e-5)
+// holds when it is <= 1e-5.
+double allclose_excess(const nlohmann::json& a, const nlohmann::json& b) {
+  REQUIRE(a.size() == b.size());
+  double m = 0;
+  for (const auto& [name, va] : a.items()) {
+    INFO(name);
+    REQUIRE(b.contains(name));
+    const auto& vb = b[name];
+    REQUIRE(va.size() == vb.size());
+    for (std::size_t i = 0; i < va.size(); ++i) {
+      const double x = va[i].get<double>(), y = vb[i].get<double>();
+      m = std::max(m, std::abs(x - y) - 1e-4 * std::abs(y));
+    }
+  }
+  return m;
+}
+}  // namespace
+
+TEST_CASE("ZeRO-3 on 2 and 3 ranks trains what one unsharded process trains, within 1/N of its model state plus "
+          "the gathered blocks", "[cpu][distributed][fsdp]") {
+  const auto one = run_workers("fsdp_single", 1, std::chrono::seconds(120))[0];
+  const double unsharded = one["model_state_bytes"].get<double>();
+  // One process: parameters, gradients and AdamW's two moments, 4 bytes each.
+  CHECK(unsharded == 4.0 * one["parameter_bytes"].get<double>());
+  for (const std::string mode : {"fsdp_sft", "fsdp_sft_ckpt"})
+    for (const int world : {2, 3}) {
+      if (mode == "fsdp_sft_ckpt" && world == 3) continue;
+      INFO(mode << " on " << world << " ranks");
+      const auto res = run_workers(mode, world, std::chrono::seconds(180));
+      for (int r = 0; r < world; ++r) {
+        INFO("rank " << r);
+        const auto& x = res[static_cast<std::size_t>(r)];
+        for (std::size_t s = 0; s < one["losses"].size(); ++s) {
+          // Each rank's loss is its part's token mean: their mean is the whole batch's.
+          double mean = 0;
+          for (int q = 0; q < world; ++q) mean += res[static_cast<std::size_t>(q)]["losses"][s].get<double>() / world;
+          INFO("step " << s);
+          CHECK(mean == Approx(one["losses"][s].get<double>()).epsilon(1e-5));
+          CHECK(x["grad_norms"][s].get<double>() == Approx(one["grad_norms"][s].get<double>()).epsilon(1e-4));
+        }
+        const double excess = allclose_excess(x["params"], one["params"]);
+        INFO("weights after 4 steps vs one process: largest |difference| - 1e-4 |weight| = " << excess);
+        CHECK(excess <= 1e-5);
+        // Memory, as the engine counts it: the shards (1/N of the parameters, gradients and moments)
+        // plus what is live at one time: the rest (embedding, final norm) with its gradient buffer
+        // and, with two layers, three block-sized buffers (block 0's parameters and gradients while
+        // block 1's gradients are in their reduce; or both blocks' parameters in the forward).
+        const double block = x["largest_block_bytes"].get<double>(), rest = x["rest_bytes"].get<double>();
+        const double peak = x["model_state_bytes"].get<double>();
+        std::cout << mode << " " << world << " ranks, rank " << r << ": peak model state " << peak << " bytes, unsharded "
+                  << unsharded << " (" << peak / unsharded << "x), one block " << block << ", the rest " << rest << "\n";
+        CHECK(peak <= unsharded / world + 2 * rest + 3 * block);
+        CHECK(peak < unsharded);
+        // AdamW's moments are 1/N of the unsharded optimizer's (to the padding of one chunk per unit).
+        CHECK(x["optimizer_state_bytes"].get<double>() <= one["optimizer_state_bytes"].get<double>() / world + 8.0 * 3 * world);
+        // Between steps only the shards are held: no full parameter storage remains.
+        CHECK(x["parameter_storage_after"].get<double>() == 0.0);
+        CHECK(x["bytes_between_steps"].get<double>() <= 2.0 * one["parameter_bytes"].get<double>() / world + 8.0 * 3 * world);
+      }
+    }
+}
+
+TEST_CASE("ZeRO-3: a sharded checkpoint of 2 ranks resumes on 1 rank and trains what one process trains throughout",
+          "[cpu][distributed][fsdp]") {
+  const auto one = run_workers("fsdp_single", 1, std::chrono::seconds(120))[0];
+  const auto res = run_workers("fsdp_resume", 2, std::chrono::seconds(180));
+  const auto& r0 = res[0];
+  CHECK(r0["manifest"]["world_size"].get<int>() == 2);
+  CHECK(r0["manifest"]["units"].size() == 3);  // two decoder layers and the rest
+  REQUIRE(r0["resumed_losses"].size() == 2);
+  for (std::size_t s = 0; s < 2; ++s) CHECK(r0["resumed_losses"][s].get<double>() == Approx(one["losses"][s + 2].get<double>()).epsilon(1e-5));
+  const double excess = allclose_excess(r0["params"], one["params"]);
+  INFO("weights after 2 + 2 steps vs one process: largest |difference| - 1e-4 |weight| = " << excess);
+  CHECK(excess <= 1e-5);
+}
+
+TEST_CASE("ZeRO-3: a killed rank ends the other with an error within the timeout", "[cpu][distributed][fsdp]") {
+  const auto run = run_fault("fsdp_fault", 2, std::chrono::seconds(90), true);
+  CHECK(killed_by(run.ranks[1].status, SIGKILL));
+  REQUIRE(run.died_ns > 0);
+  INFO("rank 0 stderr: " << run.ranks[0].err);
+  CHECK(exited_with(run.ranks[0].status, 1));
+  const double ms = ms_between(run.died_ns, run.ranks[0].ended_ns);
+  std::cout << "fsdp fault: rank 0 exited " << ms << " ms after rank 1's death (Gloo timeout 20 s)\n";
+  CHECK(ms <= 20000.0 + 5000.0);
+}

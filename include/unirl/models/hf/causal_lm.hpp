@@ -23,6 +23,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <numbers>
 #include <string>
 #include <utility>
@@ -30,6 +31,7 @@
 
 #include <torch/torch.h>
 
+#include <unirl/concepts/parallel.hpp>
 #include <unirl/core/error.hpp>
 #include <unirl/models/activation_checkpoint.hpp>
 #include <unirl/models/causal_lm.hpp>
@@ -444,12 +446,16 @@ class llama_model_impl : public torch::nn::Cloneable<llama_model_impl> {
       const kv_slot slot = cache ? kv_slot{&cache->k[l], &cache->v[l], start} : kv_slot{};
       if (recompute) {
         auto block = std::dynamic_pointer_cast<llama_layer_impl>(layer);
-        x = checkpointed_layer([block](const torch::autograd::variable_list& in, const kv_slot& s) {
+        // The hooks run inside the recomputed function too: a sharding policy gathers the block again there.
+        x = checkpointed_layer([block, h = hooks, l](const torch::autograd::variable_list& in, const kv_slot& s) {
+              if (h) h->before_block(l);
               return block->forward(in[0], in[1], in[2], in[3], s);
             }, block->parameters(), {x, cos, sin, bias}, cache, l, start);
       } else {
+        if (hooks) hooks->before_block(l);
         x = layer->as<llama_layer_impl>()->forward(x, cos, sin, bias, slot);
       }
+      if (hooks) x = hooks->after_block(l, x);
       ++l;
     }
     return norm(x);
@@ -467,6 +473,7 @@ class llama_model_impl : public torch::nn::Cloneable<llama_model_impl> {
     return norm(x);
   }
   bool checkpoint_layers = false;  // recompute each layer in the backward (activation checkpointing)
+  std::shared_ptr<block_hooks> hooks;  // run around each layer (a sharding policy's gathers); null: none
   torch::nn::Embedding embed_tokens{nullptr};
   torch::nn::ModuleList layers{nullptr};
   rms_norm norm{nullptr};
@@ -580,12 +587,15 @@ class gpt2_model_impl : public torch::nn::Cloneable<gpt2_model_impl> {
       const kv_slot slot = cache ? kv_slot{&cache->k[l], &cache->v[l], start} : kv_slot{};
       if (recompute) {
         auto b = std::dynamic_pointer_cast<gpt2_block_impl>(block);
-        x = checkpointed_layer([b](const torch::autograd::variable_list& in, const kv_slot& s) {
+        x = checkpointed_layer([b, hk = hooks, l](const torch::autograd::variable_list& in, const kv_slot& s) {
+              if (hk) hk->before_block(l);
               return b->forward(in[0], in[1], s);
             }, b->parameters(), {x, bias}, cache, l, start);
       } else {
+        if (hooks) hooks->before_block(l);
         x = block->as<gpt2_block_impl>()->forward(x, bias, slot);
       }
+      if (hooks) x = hooks->after_block(l, x);
       ++l;
     }
     return ln_f(x);
@@ -602,6 +612,7 @@ class gpt2_model_impl : public torch::nn::Cloneable<gpt2_model_impl> {
     return ln_f(x);
   }
   bool checkpoint_layers = false;  // recompute each block in the backward (activation checkpointing)
+  std::shared_ptr<block_hooks> hooks;  // run around each block (a sharding policy's gathers); null: none
   torch::nn::Embedding wte{nullptr}, wpe{nullptr};
   torch::nn::ModuleList h{nullptr};
   torch::nn::LayerNorm ln_f{nullptr};
@@ -654,6 +665,18 @@ class decoder_net_impl : public torch::nn::Cloneable<decoder_net_impl>, public l
     else model->checkpoint_layers = on;
   }
   bool checkpoint_layers() const { return c_.is_gpt2() ? transformer->checkpoint_layers : model->checkpoint_layers; }
+  /// Code run around each decoder layer's forward (`block_hooks`, concepts/parallel.hpp); null: none.
+  void set_block_hooks(std::shared_ptr<block_hooks> h) {
+    if (c_.is_gpt2()) transformer->hooks = std::move(h);
+    else model->hooks = std::move(h);
+  }
+  /// The parameter-name prefix of each decoder layer, in forward order (`model.layers.<l>.` or `transformer.h.<l>.`).
+  std::vector<std::string> block_prefixes() const {
+    std::vector<std::string> out;
+    for (std::int64_t l = 0; l < c_.num_hidden_layers; ++l)
+      out.push_back((c_.is_gpt2() ? "transformer.h." : "model.layers.") + std::to_string(l) + ".");
+    return out;
+  }
 
   /// The token embedding (B, n) -> (B, n, hidden) table: `model.embed_tokens` or `transformer.wte`.
   const torch::Tensor& embedding_weight() const {
@@ -972,6 +995,10 @@ struct causal_lm : module_adapter<causal_lm, decoder_net> {
     net_->set_checkpoint_layers(wants_checkpointing(kinds, checkpoint_kind::decoder_blocks));
   }
   std::vector<std::string> checkpointing_kinds() const { return {std::string(checkpoint_kind::decoder_blocks)}; }
+  /// The decoder layers as blocks (`BlockStructuredModel`, concepts/parallel.hpp): a sharding
+  /// policy (`parallel::fully_sharded`) gathers each layer's parameters around its forward.
+  void set_block_hooks(std::shared_ptr<block_hooks> h) { net_->set_block_hooks(std::move(h)); }
+  std::vector<std::string> block_prefixes() const { return net_->block_prefixes(); }
 
   /// A critic with this model's backbone weights (copied, same dtype and device) and a fresh `score` head.
   causal_lm_critic make_critic() const {
@@ -991,6 +1018,7 @@ static_assert(PackedCausalLM<causal_lm>);
 static_assert(PrefixSharingCausalLM<causal_lm>);
 static_assert(PagedCausalLM<causal_lm>);
 static_assert(HiddenStateCausalLM<causal_lm>);
+static_assert(BlockStructuredModel<causal_lm>);
 static_assert(CriticFactory<causal_lm>);
 
 }  // namespace unirl::models::hf
