@@ -46,18 +46,6 @@ struct child_env_server : rewards_test::forked_server {
           if (unirl::rewards::serve_until_signal(server) != SIGTERM) throw std::runtime_error("stopped, but not by SIGTERM");
         }) {}
   std::string base() const { return "http://127.0.0.1:" + std::to_string(port) + "/"; }
-  int wait_exit(double timeout_s) {
-    const auto t0 = steady::now();
-    while (since(t0) < timeout_s) {
-      int st = 0;
-      if (::waitpid(pid, &st, WNOHANG) == pid) {
-        pid = -1;
-        return st;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(5));
-    }
-    return -1;
-  }
 };
 
 }  // namespace env_service_test

@@ -6,8 +6,10 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdint>
 #include <string>
+#include <thread>
 
 #include <catch2/catch.hpp>
 
@@ -53,6 +55,19 @@ struct forked_server {
     return false;
   }
   std::string url() const { return "http://127.0.0.1:" + std::to_string(port) + "/score"; }
+  // Waits up to `timeout_s` for the child's exit; its wait status, or -1.
+  int wait_exit(double timeout_s) {
+    const auto t0 = std::chrono::steady_clock::now();
+    while (std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() < timeout_s) {
+      int st = 0;
+      if (::waitpid(pid, &st, WNOHANG) == pid) {
+        pid = -1;
+        return st;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    return -1;
+  }
   ~forked_server() {
     if (pid > 0) {
       ::kill(pid, SIGKILL);

@@ -80,19 +80,6 @@ struct child_server : rewards_test::forked_server {
             for (;;) ::pause();
           if (serve_until_signal(server) != SIGTERM) throw std::runtime_error("stopped, but not by SIGTERM");
         }) {}
-  // Waits up to `timeout_s` for the child's exit; its wait status, or -1.
-  int wait_exit(double timeout_s) {
-    const auto t0 = steady::now();
-    while (since(t0) < timeout_s) {
-      int st = 0;
-      if (::waitpid(pid, &st, WNOHANG) == pid) {
-        pid = -1;
-        return st;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(5));
-    }
-    return -1;
-  }
   // From /proc/<pid>/status: "Threads" or "VmRSS" (kB).
   std::int64_t status_field(const std::string& key) const {
     std::ifstream in("/proc/" + std::to_string(pid) + "/status");
