@@ -234,7 +234,12 @@ TEST_CASE("built-ins: the calculator, the arithmetic environment and their regis
     CHECK(e.reset(7).text == obs.text);
   });
   CHECK(found == 1);
-  CHECK(builtin_environment_names() == std::vector<std::string>{"arithmetic"});
+  CHECK(builtin_environment_names() == std::vector<std::string>{"arithmetic", "guess_number"});
+  with_builtin_environment("guess_number", [&](auto e) {
+    found += std::is_same_v<decltype(e), envs::guess_number>;
+    CHECK(e.reset(7).text == envs::guess_number{}.reset(7).text);
+  });
+  CHECK(found == 2);
   CHECK_THROWS_WITH(with_builtin_environment("sokoban", [](auto) {}),
                     Catch::Contains("unknown environment 'sokoban'; the built-in environments are arithmetic, guess_number"));
   CHECK_THROWS_WITH(check_builtin_tools({"calculator", "browser"}),
