@@ -303,15 +303,16 @@ class data_parallel {
   /// norm returned there as a () tensor. A collective.
   torch::Tensor sharded_grad_norm(const std::vector<torch::Tensor>& params, torch::Device device) {
     torch::NoGradGuard no_grad;
-    auto sq = torch::zeros({1}, torch::kFloat64);
+    // Summed on `device` in float64: no host read per parameter (one would sync a CUDA stream).
+    auto sq = torch::zeros({1}, torch::TensorOptions().dtype(torch::kFloat64).device(device));
     for (const auto& p : params)
-      if (p.defined() && p.grad().defined()) sq += p.grad().detach().norm().to(torch::kFloat64).pow(2).cpu();
+      if (p.defined() && p.grad().defined()) sq += p.grad().detach().norm().to(device, torch::kFloat64).pow(2);
     if (world_size_ > 1) {
-      std::vector<torch::Tensor> t{sq.to(device)};
+      std::vector<torch::Tensor> t{sq};
       group_->allreduce(t)->wait();
-      sq = t[0].cpu();
+      sq = t[0];
     }
-    return sq.sqrt().reshape({}).to(device);
+    return sq.sqrt().reshape({});
   }
 
   /// Blocks until every rank arrives.
