@@ -183,13 +183,20 @@ class episode_ppo {
     t.old_logp = t.old_logp * pmd;
     t.values = values(b) * pmd.to(dev);
     t.rewards = turn_token_rewards(episodes, b.ids.size(1));
+    // The values (and the KL of a KL-in-reward) come to the host in one read: GAE is a
+    // sequential pass over each row.
+    torch::Tensor host_values;
     if (ref_ != nullptr && a.kl_coef > 0.0) {
       t.ref_logp = episode_logprob(*ref_, b, o_.temperature, false).first * pmd;
-      if (a.kl_in_reward)
-        t.rewards = t.rewards - a.kl_coef * to_host_tensor(algo::kl_penalty(t.old_logp, t.ref_logp, a.kl) * pmd);
+      if (a.kl_in_reward) {
+        const auto kl = algo::kl_penalty(t.old_logp, t.ref_logp, a.kl) * pmd;
+        const auto both = to_host_tensor(torch::stack({t.values.to(kl.scalar_type()), kl}));
+        host_values = both[0];
+        t.rewards = t.rewards - a.kl_coef * both[1];
+      }
     }
-    // The values come to the host once (GAE is a sequential pass over each row).
-    auto g = masked_gae(t.rewards, to_host_tensor(t.values), pm, a.gamma, a.lambda);
+    if (!host_values.defined()) host_values = to_host_tensor(t.values);
+    auto g = masked_gae(t.rewards, host_values, pm, a.gamma, a.lambda);
     t.advantages = g.advantages.to(dev, t.values.scalar_type());
     t.returns = g.returns.to(dev, t.values.scalar_type());
     return t;
