@@ -12,7 +12,7 @@
 # format:     the export records its prompt format and a run on it uses that by default;
 # greedy:     sampling.temperature = 0 is greedy: the same completions as top_k = 1;
 # agents:     environment / tools names checked before any work (the known ones listed), a
-#             multi-turn run trains with grpo and ppo (environment.name, tools);
+#             multi-turn run trains with grpo, ppo and ppo with the KL in the reward (environment.name, tools);
 # engine:     training rollouts go through the rollout engine by default (its figures in every
 #             metrics row); sampling.engine=false is the static batch; greedy runs agree on both.
 foreach(v TOOL RECIPE WORK CASE)
@@ -327,8 +327,13 @@ elseif(CASE STREQUAL "agents")
   endforeach()
   # Both learners train from the command line: one metrics row per step, the rollout's and the
   # update's figures in it, the held-out mean return before and after in summary.json.
-  foreach(alg grpo ppo)
-    run(r steps=2 out=${WORK}/${alg} algorithm=${alg} group_size=4 prompts_per_step=2 environment.heldout=4 ${agent})
+  # ppo_kl: PPO with a reference model and the KL in the token rewards before GAE.
+  foreach(alg grpo ppo ppo_kl)
+    set(learner algorithm=${alg})
+    if(alg STREQUAL "ppo_kl")
+      set(learner algorithm=ppo ppo.kl_coef=0.05 ppo.kl_in_reward=true)
+    endif()
+    run(r steps=2 out=${WORK}/${alg} ${learner} group_size=4 prompts_per_step=2 environment.heldout=4 ${agent})
     expect("algorithm=${alg} did not train a multi-turn agent:\n${r}" r MATCHES "^0\n"
            AND r MATCHES "2 steps .from step 0." AND r MATCHES "held-out mean return")
     expect_steps("${WORK}/${alg}/metrics.jsonl" 2)
@@ -338,9 +343,17 @@ elseif(CASE STREQUAL "agents")
     string(JSON turns GET "${row}" "rollout/turns_mean")
     string(JSON loss GET "${row}" loss)
     expect("${alg}: the row has ${episodes} episodes (expected 8)" episodes EQUAL 8)
-    if(alg STREQUAL "ppo")
+    if(alg MATCHES "^ppo")
       string(JSON vl GET "${row}" value_loss)
       expect("ppo: the value loss in the metrics is ${vl}" vl MATCHES "^-?[0-9]")
+      # The reference enters only with kl_coef > 0: after the first update the policy differs from it.
+      list(GET rows 1 row2)
+      string(JSON kl2 GET "${row2}" kl)
+      if(alg STREQUAL "ppo_kl")
+        expect("ppo_kl: the KL to the reference after an update is ${kl2}" NOT kl2 EQUAL 0)
+      else()
+        expect("ppo: the KL without a reference is ${kl2}" kl2 EQUAL 0)
+      endif()
     endif()
     file(READ "${WORK}/${alg}/summary.json" sj)
     string(JSON before GET "${sj}" accuracy_before)
