@@ -47,6 +47,42 @@ inline optimizer_state_key optimizer_state_key_of(const torch::Tensor& p) {
 #endif
 }
 
+/// `torch::linear(x, weight, bias)` with x's leading dimensions always folded into one matrix
+/// product. LibTorch 1.13's matmul always folds them; 2.x's runs a non-contiguous (..., in) input
+/// as a batched product unless the weight requires a gradient, so a frozen copy of trained
+/// weights (a LoRA base, a reference model) gives other last bits than the trainable original
+/// (up to ~2e-6 relative at width 600). Folded, the result does not depend on `requires_grad`;
+/// on 1.13 this is `torch::linear` itself, and on 2.x the same operations in the same order
+/// (a contiguous input with a bias: one addmm; otherwise one mm, then the bias added).
+inline torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias = {}) {
+#if UNIRL_TORCH_VERSION_AT_LEAST(2, 0)
+  if (x.dim() > 2 && !(bias.defined() && x.is_contiguous())) {
+    auto sizes = x.sizes().vec();
+    sizes.back() = weight.size(0);
+    auto y = torch::matmul(x.reshape({-1, x.size(-1)}), weight.t()).view(sizes);
+    if (bias.defined()) y.add_(bias);
+    return y;
+  }
+#endif
+  return torch::linear(x, weight, bias);
+}
+
+/// `lin.forward(x)` (the C++ frontend's `F::linear`: addmm for a 2-D input with a bias, else a
+/// matmul and then `+= bias`) with x's leading dimensions folded, for the reason above; on 1.13
+/// `lin.forward(x)` itself.
+inline torch::Tensor linear_module(torch::nn::LinearImpl& lin, const torch::Tensor& x) {
+#if UNIRL_TORCH_VERSION_AT_LEAST(2, 0)
+  if (x.dim() > 2) {
+    auto sizes = x.sizes().vec();
+    sizes.back() = lin.weight.size(0);
+    auto y = x.reshape({-1, x.size(-1)}).matmul(lin.weight.t()).view(sizes);
+    if (lin.bias.defined()) y += lin.bias;
+    return y;
+  }
+#endif
+  return lin.forward(x);
+}
+
 /// Turns LibTorch's autocast for `device` (CPU or CUDA) on with `dtype` as its lower precision, or
 /// off. LibTorch >= 2.4 has one call per device type (`set_autocast_enabled(kCPU, ...)`); 1.13
 /// has one per backend (`set_cpu_enabled`, `set_enabled` for CUDA), deprecated since.

@@ -55,6 +55,7 @@
 #include <unirl/core/error.hpp>
 #include <unirl/core/lora_guard.hpp>
 #include <unirl/core/options.hpp>
+#include <unirl/detail/compat.hpp>
 #include <unirl/io/safetensors.hpp>
 
 namespace unirl::lora {
@@ -177,13 +178,13 @@ inline torch::Tensor adapt(const torch::nn::Module& m, const torch::Tensor& x, t
   if (!a || !enabled()) return y;
   auto h = x.scalar_type() == a->weight.scalar_type() ? x : x.to(a->weight.scalar_type());
   if (a->dropout() > 0.0 && a->is_training()) h = torch::dropout(h, a->dropout(), true);
-  h = torch::linear(torch::linear(h, a->weight), b->weight) * a->scaling();
+  h = ::unirl::detail::compat::linear(::unirl::detail::compat::linear(h, a->weight), b->weight) * a->scaling();
   return y + (h.scalar_type() == y.scalar_type() ? h : h.to(y.scalar_type()));
 }
 
 /// A linear layer with its adapter: `lin(x)` plus the adapter's part.
 inline torch::Tensor forward(torch::nn::LinearImpl& lin, const torch::Tensor& x) {
-  return adapt(lin, x, lin.forward(x));
+  return adapt(lin, x, ::unirl::detail::compat::linear_module(lin, x));  // lin.forward(x), folded on 2.x
 }
 inline torch::Tensor forward(const torch::nn::Linear& lin, const torch::Tensor& x) { return forward(*lin.ptr(), x); }
 

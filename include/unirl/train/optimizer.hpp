@@ -133,7 +133,16 @@ class optimizer {
     return opts_.lr * groups_.at(g).lr_scale * multiplier_;
   }
 
-  void zero_grad() { adamw_->zero_grad(); }
+  /// Zeroes every gradient in place and keeps it (what LibTorch 1.13's zero_grad does; 2.x's frees
+  /// them by default), so a step and the memory it holds are the same on every LibTorch.
+  void zero_grad() {
+    for (auto& g : adamw_->param_groups())
+      for (auto& p : g.params())
+        if (p.mutable_grad().defined()) {
+          p.mutable_grad().detach_();
+          p.mutable_grad().zero_();
+        }
+  }
   void step() { adamw_->step(); }
 
   std::size_t group_count() const { return groups_.size(); }

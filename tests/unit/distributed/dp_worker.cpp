@@ -871,7 +871,7 @@ int main(int argc, char** argv) try {
     std::ofstream(std::string(argv[5]) + "." + rank + ".json") << out.dump();
     return 0;
   }
-  if (mode.rfind("fsdp_", 0) == 0) {  // rank and world as arguments or, given "env", torchrun's variables
+  if (mode.rfind("fsdp_", 0) == 0 || mode.rfind("plan_", 0) == 0) {  // rank and world as arguments or, given "env", torchrun's variables
     const bool env = std::string(argv[2]) == "env";
     const int rank = std::stoi(env ? std::getenv("RANK") : argv[2]);
     const int world = std::stoi(env ? std::getenv("WORLD_SIZE") : argv[3]);

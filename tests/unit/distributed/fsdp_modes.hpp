@@ -5,6 +5,8 @@
 //   dp_worker fsdp_resume <rank> 2 ...                    2 steps on 2 ranks, a sharded save, then
 //       rank 0 alone (a world of 1) loads it and takes steps 2 and 3 on the whole batches
 //   dp_worker fsdp_fault <rank> 2 ...                     rank 1 exits before step 2
+//   dp_worker plan_dp|plan_zero2 <rank> <world> ...       the same SFT under data parallelism / ZeRO-2:
+//       the engine's model-state accounting, for the memory plan (parallel/memory_plan.hpp)
 #pragma once
 #include <chrono>
 #include <csignal>
@@ -22,6 +24,7 @@
 #include <unirl/models/hf/pretrained.hpp>
 #include <unirl/parallel/data_parallel.hpp>
 #include <unirl/parallel/fully_sharded.hpp>
+#include <unirl/parallel/zero.hpp>
 #include <unirl/train/sft.hpp>
 
 namespace fsdp_modes {
@@ -123,6 +126,18 @@ inline nlohmann::json sharded(gloo_fsdp par, bool checkpointing) {
           {"parameter_storage_after", sizes}};
 }
 
+// Data parallelism or ZeRO-2 on the same steps: the engine's accounting of the model state.
+template <class Parallel>
+nlohmann::json unsharded_strategy(Parallel par) {
+  const int rank = par.rank(), world = par.world_size();
+  auto t = make_trainer(fixture(false), std::move(par));
+  nlohmann::json losses = nlohmann::json::array(), norms = nlohmann::json::array();
+  train(t, 0, steps, rank, world, losses, norms);
+  return {{"losses", losses},
+          {"model_state_bytes", t.engine().peak_model_state_bytes()},
+          {"optimizer_state_bytes", t.engine().optimizer_state_bytes()}};
+}
+
 inline nlohmann::json resume(gloo_fsdp par, const std::string& out) {
   const int rank = par.rank(), world = par.world_size();
   const std::string dir = out + ".sharded";
@@ -164,10 +179,14 @@ inline nlohmann::json fault(gloo_fsdp par, const std::string& out) {
 // Runs `mode` when it is one of this file's; nullopt otherwise.
 inline std::optional<nlohmann::json> run(const std::string& mode, int rank, int world, const std::string& store,
                                          const std::string& out) {
-  if (mode.rfind("fsdp_", 0) != 0) return std::nullopt;
+  if (mode.rfind("fsdp_", 0) != 0 && mode.rfind("plan_", 0) != 0) return std::nullopt;
   if (mode == "fsdp_single") return single();
   const unirl::parallel::rendezvous rdzv{.file_path = store, .interface_host = "127.0.0.1",
                                          .timeout = std::chrono::seconds(mode == "fsdp_fault" ? 20 : 60)};
+  using gloo_dp = unirl::parallel::data_parallel<unirl::parallel::gloo>;
+  if (mode == "plan_dp") return unsharded_strategy(gloo_dp(rank, world, rdzv));
+  if (mode == "plan_zero2")
+    return unsharded_strategy(unirl::parallel::zero<unirl::parallel::gloo>(gloo_dp(rank, world, rdzv), {.stage = 2}));
   gloo_fsdp par(unirl::parallel::data_parallel<unirl::parallel::gloo>(rank, world, rdzv));
   if (mode == "fsdp_sft") return sharded(std::move(par), false);
   if (mode == "fsdp_sft_ckpt") return sharded(std::move(par), true);

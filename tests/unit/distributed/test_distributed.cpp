@@ -22,6 +22,7 @@
 
 #include <nlohmann/json.hpp>
 #include <unirl/models/gpt.hpp>
+#include <unirl/parallel/memory_plan.hpp>
 #include <unirl/parallel/wire.hpp>
 #include <unirl/train/sft.hpp>
 #include <unirl/rollout/env.hpp>
@@ -822,17 +823,27 @@ namespace {
 // The largest excess of |a - b| over the relative part of allclose's tolerance (1e-4 |b|), over
 // every parameter of two {name: values} objects (the same names): allclose(a, b, 1e-4, 1e-5)
 // holds when it is <= 1e-5.
-double allclose_excess(const nlohmann::json& a, const nlohmann::json& b) {
+// The largest |a - b| - 1e-4 |b| over the parameters, and apart from it the largest |a - b| over
+// the key biases. Their gradient is zero but for float noise (the softmax over the keys is
+// invariant to a key bias: q.(k + b) shifts every key's score by q.b alike), so AdamW steps them
+// by lr g / (sqrt(v) + eps) on noise that differs between any two summation orders: measured
+// 1.7e-5 on a machine whose other weights agreed to 1e-7; on another CPU the same test had passed.
+struct weight_excess {
+  double excess = 0, key_bias = 0;
+};
+weight_excess allclose_excess(const nlohmann::json& a, const nlohmann::json& b) {
   REQUIRE(a.size() == b.size());
-  double m = 0;
+  weight_excess m;
   for (const auto& [name, va] : a.items()) {
     INFO(name);
     REQUIRE(b.contains(name));
     const auto& vb = b[name];
     REQUIRE(va.size() == vb.size());
+    const bool key_bias = name.ends_with(".k_proj.bias");
     for (std::size_t i = 0; i < va.size(); ++i) {
       const double x = va[i].get<double>(), y = vb[i].get<double>();
-      m = std::max(m, std::abs(x - y) - 1e-4 * std::abs(y));
+      if (key_bias) m.key_bias = std::max(m.key_bias, std::abs(x - y));
+      else m.excess = std::max(m.excess, std::abs(x - y) - 1e-4 * std::abs(y));
     }
   }
   return m;
@@ -845,6 +856,10 @@ TEST_CASE("ZeRO-3 on 2 and 3 ranks trains what one unsharded process trains, wit
   const double unsharded = one["model_state_bytes"].get<double>();
   // One process: parameters, gradients and AdamW's two moments, 4 bytes each.
   CHECK(unsharded == 4.0 * one["parameter_bytes"].get<double>());
+  // On paper (parallel::estimate_memory from the fixture's config.json alone): the same bytes.
+  namespace up = unirl::parallel;
+  const auto cfg = unirl::models::hf::decoder_config::load(fs::path(UNIRL_SOURCE_DIR) / "tests/fixtures/hf/qwen2");
+  CHECK(static_cast<double>(up::estimate_memory(cfg, {}).engine_model_state) == unsharded);
   for (const std::string mode : {"fsdp_sft", "fsdp_sft_ckpt"})
     for (const int world : {2, 3}) {
       if (mode == "fsdp_sft_ckpt" && world == 3) continue;
@@ -861,9 +876,11 @@ TEST_CASE("ZeRO-3 on 2 and 3 ranks trains what one unsharded process trains, wit
           CHECK(mean == Approx(one["losses"][s].get<double>()).epsilon(1e-5));
           CHECK(x["grad_norms"][s].get<double>() == Approx(one["grad_norms"][s].get<double>()).epsilon(1e-4));
         }
-        const double excess = allclose_excess(x["params"], one["params"]);
-        INFO("weights after 4 steps vs one process: largest |difference| - 1e-4 |weight| = " << excess);
-        CHECK(excess <= 1e-5);
+        const auto w = allclose_excess(x["params"], one["params"]);
+        INFO("weights after 4 steps vs one process: largest |difference| - 1e-4 |weight| = " << w.excess
+             << "; key biases (noise-driven) differ by " << w.key_bias);
+        CHECK(w.excess <= 1e-5);
+        CHECK(w.key_bias <= 1e-3);  // 4 steps of lr = 1e-2 on noise
         // Memory, as the engine counts it: the shards (1/N of the parameters, gradients and moments)
         // plus what is live at one time: the rest (embedding, final norm) with its gradient buffer
         // and, with two layers, three block-sized buffers (block 0's parameters and gradients while
@@ -876,11 +893,34 @@ TEST_CASE("ZeRO-3 on 2 and 3 ranks trains what one unsharded process trains, wit
         CHECK(peak < unsharded);
         // AdamW's moments are 1/N of the unsharded optimizer's (to the padding of one chunk per unit).
         CHECK(x["optimizer_state_bytes"].get<double>() <= one["optimizer_state_bytes"].get<double>() / world + 8.0 * 3 * world);
+        // On paper: the shards, their gradients and moments, the rest and the live layer buffers, exactly.
+        const auto plan = up::estimate_memory(cfg, {.strategy = up::sharding::zero3, .ranks = world, .rank = r,
+                                                    .checkpointing = mode == "fsdp_sft_ckpt"});
+        CHECK(static_cast<double>(plan.engine_model_state) == peak);
+        CHECK(static_cast<double>(plan.optimizer) == x["optimizer_state_bytes"].get<double>());
         // Between steps only the shards are held: no full parameter storage remains.
         CHECK(x["parameter_storage_after"].get<double>() == 0.0);
         CHECK(x["bytes_between_steps"].get<double>() <= 2.0 * one["parameter_bytes"].get<double>() / world + 8.0 * 3 * world);
       }
     }
+}
+
+TEST_CASE("scale on paper: the memory plan equals the engine's measured model state under data parallelism and "
+          "ZeRO-2 on 2 ranks", "[cpu][distributed][fsdp]") {
+  namespace up = unirl::parallel;
+  const auto cfg = unirl::models::hf::decoder_config::load(fs::path(UNIRL_SOURCE_DIR) / "tests/fixtures/hf/qwen2");
+  for (const auto& [mode, strategy] : {std::pair{"plan_dp", up::sharding::data_parallel}, std::pair{"plan_zero2", up::sharding::zero2}}) {
+    const auto res = run_workers(mode, 2, std::chrono::seconds(120));
+    for (int r = 0; r < 2; ++r) {
+      INFO(mode << ", rank " << r);
+      const auto plan = up::estimate_memory(cfg, {.strategy = strategy, .ranks = 2, .rank = r});
+      const auto& x = res[static_cast<std::size_t>(r)];
+      std::cout << mode << " rank " << r << ": measured " << x["model_state_bytes"].get<double>() << " bytes, on paper "
+                << plan.engine_model_state << "\n";
+      CHECK(static_cast<double>(plan.engine_model_state) == x["model_state_bytes"].get<double>());
+      CHECK(static_cast<double>(plan.optimizer) == x["optimizer_state_bytes"].get<double>());
+    }
+  }
 }
 
 TEST_CASE("ZeRO-3: a sharded checkpoint of 2 ranks resumes on 1 rank and trains what one process trains throughout",
@@ -892,9 +932,11 @@ TEST_CASE("ZeRO-3: a sharded checkpoint of 2 ranks resumes on 1 rank and trains 
   CHECK(r0["manifest"]["units"].size() == 3);  // two decoder layers and the rest
   REQUIRE(r0["resumed_losses"].size() == 2);
   for (std::size_t s = 0; s < 2; ++s) CHECK(r0["resumed_losses"][s].get<double>() == Approx(one["losses"][s + 2].get<double>()).epsilon(1e-5));
-  const double excess = allclose_excess(r0["params"], one["params"]);
-  INFO("weights after 2 + 2 steps vs one process: largest |difference| - 1e-4 |weight| = " << excess);
-  CHECK(excess <= 1e-5);
+  const auto w = allclose_excess(r0["params"], one["params"]);
+  INFO("weights after 2 + 2 steps vs one process: largest |difference| - 1e-4 |weight| = " << w.excess
+       << "; key biases (noise-driven) differ by " << w.key_bias);
+  CHECK(w.excess <= 1e-5);
+  CHECK(w.key_bias <= 1e-3);
 }
 
 TEST_CASE("ZeRO-3: a killed rank ends the other with an error within the timeout", "[cpu][distributed][fsdp]") {

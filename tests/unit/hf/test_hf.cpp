@@ -30,6 +30,8 @@
 #include <unirl/io/safetensors.hpp>
 #include <unirl/models/hf/pretrained.hpp>
 #include <unirl/models/lora.hpp>
+#include <unirl/parallel/memory_plan.hpp>
+#include <unirl/rollout/engine.hpp>
 #include <unirl/rollout/token_sampler.hpp>
 #include <unirl/trainer.hpp>
 
@@ -776,13 +778,16 @@ TEST_CASE("lora: GRPO trains only the adapters, the base stays bit-identical, th
       }
     CHECK(held == lora_params.size());
   }
-  {  // the KL to the reference: exactly 0 before any update (zero-initialised B: the policy is the base),
-     // > 0 after one — it would stay 0 if the algorithm scored the reference with the adapters on
+  {  // the KL to the reference: 0 before any update (zero-initialised B: the policy is the base) to
+     // float noise, > 0 after one — it would stay 0 if the algorithm scored the reference with the
+     // adapters on. The noise, most likely: the reference's forward runs without gradients, so q/k/v and
+     // gate/up run as one fused matmul (hf::fused_linears), the policy's one by one; on some CPUs
+     // BLAS blocks the two widths differently (measured 3.3e-9 on one machine, 0 on another).
     const auto first = t.step(in), second = t.step(in);
     CHECK(std::isfinite(first.loss));
     CHECK(std::isfinite(second.loss));
     INFO("KL to the LoRA reference: " << first.kl << " before any update, " << second.kl << " after one");
-    CHECK(std::abs(first.kl) < 1e-9);
+    CHECK(std::abs(first.kl) < 1e-7);
     CHECK(second.kl > 1e-6);
   }
   t.save((tmp.path / "step2.pt").string());
@@ -948,4 +953,102 @@ TEST_CASE("hf: logits(ids) of unpadded ids equals logits(ids, a mask of ones)", 
   torch::NoGradGuard ng;
   const auto ids = torch::randint(50, {2, 7}, torch::kInt64);
   CHECK(torch::equal(lm.logits(ids), lm.logits(ids, torch::ones({2, 7}))));
+}
+
+// ----------------------------------------------------------------------------------------------
+// Scale on paper (include/unirl/parallel/memory_plan.hpp): the parameter counts and KV bytes the
+// plan computes from a config alone equal the built models'; the model-state terms are checked
+// against the engine's measurement on real ranks in unit_distributed.
+
+namespace {
+std::pair<std::int64_t, std::int64_t> built_counts(const hf::causal_lm& lm) {
+  std::int64_t total = 0, trainable = 0;
+  for (const auto& p : lm.net()->parameters()) {
+    total += p.numel();
+    if (p.requires_grad()) trainable += p.numel();
+  }
+  return {total, trainable};
+}
+}  // namespace
+
+TEST_CASE("memory plan: parameter counts from config.json equal the built decoders', with and without LoRA, and the "
+          "published checkpoints' counts", "[cpu][hf][memory_plan]") {
+  namespace up = unirl::parallel;
+  for (const std::string arch : {"gpt2", "llama", "qwen2", "qwen3"}) {
+    INFO(arch);
+    const auto cfg = hf::decoder_config::load(fixtures() / arch);
+    {
+      const auto lm = hf::from_pretrained(fixtures() / arch);
+      const auto [total, trainable] = built_counts(lm);
+      const auto c = up::count_parameters(cfg);
+      CHECK(c.total == total);
+      CHECK(c.trainable == trainable);
+      CHECK(c.frozen == 0);
+      std::int64_t layer0 = 0;
+      for (const auto& p : lm.net()->named_parameters())
+        if (p.key().starts_with(lm.net()->block_prefixes().front())) layer0 += p.value().numel();
+      CHECK(c.layer_trainable == layer0);
+      CHECK(c.rest_trainable + c.layers * c.layer_trainable == c.trainable);
+    }
+    const std::vector<std::string> attention = arch == "gpt2" ? std::vector<std::string>{"c_attn"}
+                                                               : std::vector<std::string>{"q_proj", "self_attn.v_proj"};
+    for (const auto& targets : {std::vector<std::string>{"all-linear"}, attention}) {
+      auto lm = hf::from_pretrained(fixtures() / arch);
+      unirl::lora::apply(lm, {.rank = 3, .targets = targets});
+      const auto [total, trainable] = built_counts(lm);
+      const auto c = up::count_parameters(cfg, 3, targets);
+      CHECK(c.total == total);
+      CHECK(c.trainable == trainable);
+      CHECK(c.rest_trainable == 0);
+    }
+    CHECK_THROWS_WITH(up::count_parameters(cfg, 4, {"qkv"}), Catch::Contains("lora.targets") && Catch::Contains("\"qkv\""));
+  }
+  // Published counts (the configs in docs/configs; GPT-2 small from its hub config).
+  const auto docs = fs::path(UNIRL_SOURCE_DIR) / "docs" / "configs";
+  CHECK(up::count_parameters(hf::decoder_config::load(docs / "qwen2.5-0.5b.json")).total == 494'032'768);
+  CHECK(up::count_parameters(hf::decoder_config::load(docs / "qwen2.5-7b.json")).total == 7'615'616'512);
+  CHECK(up::count_parameters(hf::decoder_config::load(docs / "llama-3-70b.json")).total == 70'553'706'496);
+  const auto gpt2_small = hf::decoder_config::from_json(nlohmann::json{
+      {"architectures", {"GPT2LMHeadModel"}}, {"model_type", "gpt2"}, {"vocab_size", 50257}, {"n_positions", 1024},
+      {"n_embd", 768}, {"n_layer", 12}, {"n_head", 12}, {"eos_token_id", 50256}});
+  CHECK(up::count_parameters(gpt2_small).total == 124'439'808);
+}
+
+TEST_CASE("memory plan: KV bytes per token equal the rollout engine's pool; strategies and settings are checked",
+          "[cpu][hf][memory_plan]") {
+  namespace up = unirl::parallel;
+  for (const std::string arch : {"gpt2", "llama", "qwen2", "qwen3"}) {
+    INFO(arch);
+    const auto lm = hf::from_pretrained(fixtures() / arch);
+    const unirl::rollout::engine<hf::causal_lm> e(lm, {.block_size = 8, .kv_tokens = 64});
+    const auto cfg = hf::decoder_config::load(fixtures() / arch);
+    CHECK(up::estimate_memory(cfg, {.kv_tokens = 1}).kv == e.slot_bytes());
+    CHECK(up::estimate_memory(cfg, {.kv_tokens = 1000}).kv == 1000 * e.slot_bytes());
+  }
+  const auto cfg = hf::decoder_config::load(fixtures() / "qwen2");
+  const auto dp = up::estimate_memory(cfg, {});
+  const auto c = dp.counts;
+  // Data parallelism: parameters, gradients and two moments of every trainable element.
+  CHECK(dp.engine_model_state == 16 * c.trainable);
+  CHECK(dp.model_state() == dp.engine_model_state);
+  // ZeRO-2 over 4 ranks keeps the parameters and the local gradients whole; the moments are a quarter.
+  const auto z2 = up::estimate_memory(cfg, {.strategy = up::sharding::zero2, .ranks = 4});
+  CHECK(z2.parameters == 4 * c.trainable);
+  CHECK(z2.optimizer == 2 * 4 * (c.trainable / 4));
+  // ZeRO-3: under 1/N of the unsharded state plus the gathered units; LoRA: the frozen base whole.
+  const auto z3 = up::estimate_memory(cfg, {.strategy = up::sharding::zero3, .ranks = 4});
+  CHECK(z3.parameters + z3.gradients + z3.optimizer <= dp.model_state() / 4 + 16 * 4 * (c.layers + 1));
+  CHECK(z3.live > 0);
+  const auto lora = up::estimate_memory(cfg, {.strategy = up::sharding::zero3, .ranks = 4, .lora_rank = 2, .frozen_bytes = 2});
+  CHECK(lora.parameters >= 2 * lora.counts.frozen);
+  CHECK(lora.counts.frozen == c.total);
+  // Checkpointing keeps less; bf16 activations are half.
+  const auto ck = up::estimate_memory(cfg, {.checkpointing = true});
+  CHECK(ck.activations < dp.activations);
+  CHECK(up::estimate_memory(cfg, {.activation_bytes = 2}).activations * 2 == dp.activations);
+  CHECK_THROWS_WITH(up::estimate_memory(cfg, {.ranks = 0}), Catch::Contains("ranks") && Catch::Contains("0"));
+  CHECK_THROWS_WITH(up::estimate_memory(cfg, {.ranks = 2, .rank = 2}), Catch::Contains("rank") && Catch::Contains("[0, ranks)"));
+  CHECK_THROWS_WITH(up::estimate_memory(cfg, {.weight_bytes = 3}), Catch::Contains("weight_bytes") && Catch::Contains("3"));
+  CHECK_THROWS_WITH(up::parse_sharding("zero4"), Catch::Contains("zero4") && Catch::Contains("dp, zero1, zero2 or zero3"));
+  CHECK(up::parse_sharding("zero3") == up::sharding::zero3);
 }

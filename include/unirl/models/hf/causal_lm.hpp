@@ -37,6 +37,7 @@
 #include <unirl/models/causal_lm.hpp>
 #include <unirl/models/gpt.hpp>
 #include <unirl/models/hf/config.hpp>
+#include <unirl/detail/compat.hpp>
 #include <unirl/models/lora.hpp>
 #include <unirl/models/module_adapter.hpp>
 #include <unirl/ops/attention.hpp>
@@ -123,7 +124,7 @@ inline torch::Tensor dense(const torch::Tensor& x, const torch::Tensor& weight, 
     const auto row = x.reshape({-1});
     return (bias.defined() ? torch::addmv(bias, weight, row) : torch::mv(weight, row)).view(sizes);
   }
-  return torch::linear(x, weight, bias);
+  return ::unirl::detail::compat::linear(x, weight, bias);
 }
 
 /// `dense` of a linear layer, plus its LoRA adapter when it has one (lora.hpp).
@@ -148,7 +149,7 @@ class fused_linears {
       return out;
     }
     refresh(parts);
-    out = torch::linear(x, weight_, bias_).split_with_sizes(sizes_, -1);
+    out = ::unirl::detail::compat::linear(x, weight_, bias_).split_with_sizes(sizes_, -1);
     for (std::size_t i = 0; i < parts.size(); ++i) out[i] = lora::adapt(*parts[i].ptr(), x, out[i]);  // LoRA adapters, if any
     return out;
   }
