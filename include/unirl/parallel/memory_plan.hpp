@@ -41,6 +41,7 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include <unirl/core/error.hpp>
@@ -91,8 +92,9 @@ struct memory_setup {
     require(rank >= 0 && rank < ranks, "rank", rank, "in [0, ranks)");
     require(lora_rank >= 0, "lora_rank", lora_rank, ">= 0 (0: no LoRA)");
     require(!lora_targets.empty(), "lora_targets", "[]", "at least one module pattern (or all-linear)");
-    for (const auto* b : {&weight_bytes, &activation_bytes, &kv_element_bytes})
-      require(*b == 2 || *b == 4 || *b == 8, b == &weight_bytes ? "weight_bytes" : b == &activation_bytes ? "activation_bytes" : "kv_element_bytes", *b, "2, 4 or 8");
+    for (const auto& [key, bytes] : {std::pair{"weight_bytes", weight_bytes}, std::pair{"activation_bytes", activation_bytes},
+                                     std::pair{"kv_element_bytes", kv_element_bytes}})
+      require(bytes == 2 || bytes == 4 || bytes == 8, key, bytes, "2, 4 or 8");
     require(frozen_bytes == 1 || frozen_bytes == 2 || frozen_bytes == 4 || frozen_bytes == 8, "frozen_bytes", frozen_bytes, "1, 2, 4 or 8");
     require(micro_batch >= 1, "micro_batch", micro_batch, "an integer >= 1");
     require(sequence >= 1, "sequence", sequence, "an integer >= 1");
