@@ -357,6 +357,31 @@ TEST_CASE("sd3 flow adapter: guided velocity, one text encoding per prompt, LoRA
   }
 }
 
+TEST_CASE("sd3 prompts: each prompt's embedding is its fixed group's batch, whatever the request order", "[diffusers][cpu]") {
+  const auto p = df::load_sd3(pipeline_dir());
+  const std::vector<std::string> texts{"a photo of a cat", "A thick   SEVEN, 7!", "the digit zero", "a red cube", "two"};
+  df::sd3_prompts a(p, texts, 2), b(p, texts, 2);  // groups by position: {"", 0}, {1, 2}, {3, 4}
+  const auto cpu = torch::Device(torch::kCPU);
+  const auto ids = [](std::initializer_list<std::int64_t> v) { return torch::tensor(std::vector<std::int64_t>(v)); };
+  a.embeddings(ids({3}), cpu);
+  a.embeddings(ids({0, -1}), cpu);
+  const auto [ca, pa] = a.embeddings(ids({4, 1, 2, -1, 0, 3}), cpu);
+  const auto [cb, pb] = b.embeddings(ids({4, 1, 2, -1, 0, 3}), cpu);
+  CHECK(a.encoder_calls() == 3);  // one batch per group, in either order
+  CHECK(b.encoder_calls() == 3);
+  CHECK(a.encoded_prompts() == 6);
+  CHECK((torch::equal(ca, cb) && torch::equal(pa, pb)));
+  // Each row is what its group's batch gives, bit for bit.
+  const auto [g2, q2] = p.encode_prompts({texts[1], texts[2]});
+  const auto [g3, q3] = p.encode_prompts({texts[3], texts[4]});
+  const auto [g0, q0] = p.encode_prompts({"", texts[0]});
+  CHECK((torch::equal(ca[0], g3[1]) && torch::equal(ca[1], g2[0]) && torch::equal(ca[2], g2[1])));
+  CHECK((torch::equal(ca[3], g0[0]) && torch::equal(ca[4], g0[1]) && torch::equal(ca[5], g3[0])));
+  CHECK((torch::equal(pa[0], q3[1]) && torch::equal(pa[3], q0[0])));
+  CHECK_THAT(error_of([&] { df::sd3_prompts(p, texts, 0); }), Catch::Contains("group 0"));
+  CHECK_THAT(error_of([&] { b.embeddings(ids({5}), cpu); }), Catch::Contains("condition 5"));
+}
+
 TEST_CASE("sd3 adapter: checkpointed blocks give the same gradients", "[diffusers][cpu]") {
   auto p = df::load_sd3(pipeline_dir());
   auto pr = std::make_shared<df::sd3_prompts>(p, std::vector<std::string>{"a photo of a cat"});

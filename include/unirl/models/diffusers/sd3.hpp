@@ -367,34 +367,44 @@ inline std::vector<std::string> sd3_lora_targets() {
 /// The prompts a flow-track run conditions on, and their text embeddings, each computed once
 /// (the encoders are frozen) and kept until `clear`. A condition is a prompt's index; -1 is the
 /// empty prompt, the unconditional branch of guidance.
+///
+/// The prompts are encoded in fixed groups of `group` by position (the empty prompt first, then
+/// prompt 0, 1, ...: group g holds positions [g * group, (g + 1) * group)), a whole group the
+/// first time any of it is needed. A prompt's embedding is then the same bits whichever prompts
+/// were asked for before it: a BLAS may round a row differently in a batch of another size (a
+/// resumed run, a sampler process and the learner each see other request orders).
 class sd3_prompts {
  public:
-  sd3_prompts(const sd3_pipeline& p, std::vector<std::string> prompts) : pipe_(p), prompts_(std::move(prompts)) {
+  sd3_prompts(const sd3_pipeline& p, std::vector<std::string> prompts, std::int64_t group = 8)
+      : pipe_(p), prompts_(std::move(prompts)), group_(group) {
     UNIRL_CHECK(!prompts_.empty(), "diffusers::sd3_prompts: no prompts");
+    UNIRL_CHECK(group_ >= 1, "diffusers::sd3_prompts: group ", group_, ": expected >= 1 prompts per encoder batch");
   }
 
   /// Text tokens and pooled text of conditions `cond` ((B,) int64 indices, -1 = empty prompt),
-  /// on `device`; the prompts not yet encoded are encoded in one batch.
+  /// on `device`; each group holding a prompt not yet encoded is encoded, one batch per group.
   std::pair<torch::Tensor, torch::Tensor> embeddings(const torch::Tensor& cond, const torch::Device& device) {
     UNIRL_CHECK(cond.dim() == 1 && !cond.is_floating_point(), "diffusers::sd3_prompts: conditions of sizes ",
                 cond.sizes(), " ", cond.dtype(), ": expected (B,) prompt indices");
     if (!caching_) cache_.clear();
     const auto idx = cond.to(torch::kCPU, torch::kInt64).contiguous();
     const auto* v = idx.data_ptr<std::int64_t>();
-    std::vector<std::int64_t> todo;
+    const auto n = static_cast<std::int64_t>(prompts_.size());
+    std::vector<std::int64_t> groups;  // in the order first needed
     for (std::int64_t i = 0; i < idx.numel(); ++i) {
-      UNIRL_CHECK(v[i] >= -1 && v[i] < static_cast<std::int64_t>(prompts_.size()), "diffusers::sd3_prompts: condition ",
-                  v[i], ": expected a prompt index in [0, ", prompts_.size(), ") or -1 (the empty prompt)");
-      if (!cache_.count(v[i]) && std::find(todo.begin(), todo.end(), v[i]) == todo.end()) todo.push_back(v[i]);
+      UNIRL_CHECK(v[i] >= -1 && v[i] < n, "diffusers::sd3_prompts: condition ", v[i],
+                  ": expected a prompt index in [0, ", n, ") or -1 (the empty prompt)");
+      const auto g = (v[i] + 1) / group_;
+      if (!cache_.count(v[i]) && std::find(groups.begin(), groups.end(), g) == groups.end()) groups.push_back(g);
     }
-    if (!todo.empty()) {
+    for (const auto g : groups) {
+      const auto first = g * group_ - 1, last = std::min(first + group_, n);  // indices [first, last)
       std::vector<std::string> texts;
-      for (auto k : todo) texts.push_back(k < 0 ? std::string() : prompts_[static_cast<std::size_t>(k)]);
+      for (auto k = first; k < last; ++k) texts.push_back(k < 0 ? std::string() : prompts_[static_cast<std::size_t>(k)]);
       const auto [ctx, pooled] = pipe_.encode_prompts(texts);
       ++encoder_calls_;
-      encoded_prompts_ += static_cast<std::int64_t>(todo.size());
-      for (std::size_t j = 0; j < todo.size(); ++j)
-        cache_[todo[j]] = {ctx[static_cast<std::int64_t>(j)], pooled[static_cast<std::int64_t>(j)]};
+      encoded_prompts_ += last - first;
+      for (auto k = first; k < last; ++k) cache_[k] = {ctx[k - first], pooled[k - first]};
     }
     std::vector<torch::Tensor> c, p;
     for (std::int64_t i = 0; i < idx.numel(); ++i) {
@@ -406,7 +416,10 @@ class sd3_prompts {
   }
 
   const std::vector<std::string>& prompts() const { return prompts_; }
-  /// Batches sent through the text encoders, and prompts encoded, since construction.
+  /// Prompts per encoder batch (the empty prompt counts as one).
+  std::int64_t group() const { return group_; }
+  /// Batches sent through the text encoders, and prompts encoded (the empty one included), since
+  /// construction.
   std::int64_t encoder_calls() const { return encoder_calls_; }
   std::int64_t encoded_prompts() const { return encoded_prompts_; }
   void clear() { cache_.clear(); }
@@ -422,6 +435,7 @@ class sd3_prompts {
   const sd3_pipeline& pipe_;
   std::vector<std::string> prompts_;
   std::map<std::int64_t, std::pair<torch::Tensor, torch::Tensor>> cache_;
+  std::int64_t group_;
   std::int64_t encoder_calls_ = 0, encoded_prompts_ = 0;
   bool caching_ = true;
 };
