@@ -15,6 +15,7 @@
 // Output: one JSON object per measured step (a warm-up step first), then the medians.
 #include <algorithm>
 #include <chrono>
+#include <ctime>
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
@@ -175,7 +176,9 @@ int main(int argc, char** argv) try {
     const double text_seconds = since(te);
     const auto text_mem = mem.stop();
     const auto calls = prompts->encoder_calls();
+    const auto c0 = std::clock();  // the process's CPU time: what the step cost, whatever else runs
     const auto st = t.step(conditions);
+    const double step_cpu = static_cast<double>(std::clock() - c0) / CLOCKS_PER_SEC;
     nlohmann::json j{{"step", s},
                      {"cache", cache},
                      {"checkpointing", checkpointing},
@@ -186,6 +189,7 @@ int main(int argc, char** argv) try {
                      {"reward_s", st.time_reward - decode_seconds},
                      {"update_s", st.time_advantage + st.time_update},
                      {"step_s", st.seconds},
+                     {"step_cpu_s", step_cpu},
                      {"encoder_batches", prompts->encoder_calls() - calls},
                      {"text_encoding_peak_mb", text_mem.peak_mb},
                      {"sampling_peak_mb", st.extra.at("memory/sample_peak_mb")},
