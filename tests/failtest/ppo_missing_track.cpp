@@ -8,8 +8,8 @@
 #include <unirl/algorithms/ppo_token.hpp>
 #endif
 
-struct ones_reward {
+struct unit_reward {
   torch::Tensor operator()(const unirl::token_rollout& b) const { return torch::ones({b.size()}); }
 };
 
-template class unirl::trainer<unirl::models::gpt, unirl::algo::ppo<>, ones_reward>;
+template class unirl::trainer<unirl::models::gpt, unirl::algo::ppo<>, unit_reward>;
