@@ -438,20 +438,47 @@ cartpole_agent::options cartpole_settings(std::int64_t iterations) {
   return o;
 }
 
-// CartPole for `iterations` iterations from seed 1: the first iteration's mean episode return
-// and the mean of the last 20 episodes.
+// The policy acting greedily (argmax) in 10 CartPole episodes from seeds 1000-1009, none seen in
+// training: its mean return.
+template <class Policy>
+double greedy_cartpole_return(const Policy& pi) {
+  torch::NoGradGuard ng;
+  double total = 0;
+  for (int e = 0; e < 10; ++e) {
+    unirl::envs::cartpole env;
+    auto obs = env.reset(1000 + e);
+    for (bool over = false; !over;) {
+      const auto a = pi.greedy(torch::tensor(std::vector<float>(obs.begin(), obs.end())).reshape({1, 4}));
+      const auto r = env.step(a.template item<std::int64_t>());
+      total += r.reward;
+      obs = r.observation;
+      over = r.terminated || r.truncated;
+    }
+  }
+  return total / 10;
+}
+
+struct cartpole_run {
+  double first = 0;   // the first iteration's mean episode return
+  double last20 = 0;  // the mean of the last 20 training episodes (sampled actions)
+  double greedy = 0;  // the trained policy's greedy mean return on 10 unseen episodes
+};
+
+// CartPole for `iterations` iterations from seed 1.
 template <class Agent>
-std::pair<double, double> short_cartpole_run(std::int64_t iterations) {
+cartpole_run short_cartpole_run(std::int64_t iterations) {
   unirl::envs::vector_env<unirl::envs::cartpole> venv({}, {.num_envs = 4, .seed = 1});
   torch::manual_seed(1);
   Agent agent(unirl::models::categorical_actor_critic(4, 2), cartpole_settings(iterations));
-  double first = 0;
+  cartpole_run r;
   for (std::int64_t i = 0; i < iterations; ++i) {
     const auto s = agent.step(venv);
     CHECK(s.optimizer_steps == 16);
-    if (i == 0) first = s.extra.at("episode_return");
+    if (i == 0) r.first = s.extra.at("episode_return");
   }
-  return {first, venv.mean_recent_return(20)};
+  r.last20 = venv.mean_recent_return(20);
+  r.greedy = greedy_cartpole_return(agent.policy());
+  return r;
 }
 
 }  // namespace
@@ -477,20 +504,27 @@ TEST_CASE("ppo_agent: exec::automatic picks the kernels for small known networks
                    .uses_small_net()));
 }
 
-TEST_CASE("ppo_agent: a short CartPole run reaches 195 on the kernels and similar returns on LibTorch",
+// What is asserted is the trained policy, evaluated: greedy over 10 unseen episodes (Gym's
+// CartPole-v0 threshold, 195). The training window (the last 20 sampled episodes of one seed) is
+// too noisy for it: seeds 1-12 on LibTorch 1.13 gave 189.8-291.9 there against 313.4-495.5 greedy
+// (both paths), and LibTorch 2.6's random streams gave 180.9 at seed 1.
+TEST_CASE("ppo_agent: a short CartPole run trains a policy that balances 195 steps on the kernels and on LibTorch",
           "[cpu][env][small_net]") {
   torch::set_num_threads(1);
   const std::int64_t iterations = 150;  // 76,800 environment steps
   using kernels_t = unirl::ppo_agent<unirl::models::categorical, unirl::envs::cartpole, unirl::exec::small_net>;
   using torch_t = unirl::ppo_agent<unirl::models::categorical, unirl::envs::cartpole, unirl::exec::reference>;
-  const auto [k_first, k_final] = short_cartpole_run<kernels_t>(iterations);
-  const auto [t_first, t_final] = short_cartpole_run<torch_t>(iterations);
-  INFO("kernels: first " << k_first << ", last 20 episodes " << k_final << "; LibTorch: first " << t_first << ", last 20 "
-                         << t_final);
-  CHECK(k_first < 50.0);
-  CHECK(t_first < 50.0);
-  CHECK(k_final >= 195.0);
-  CHECK(t_final >= 195.0);
+  const auto k = short_cartpole_run<kernels_t>(iterations);
+  const auto t = short_cartpole_run<torch_t>(iterations);
+  INFO("kernels: first " << k.first << ", last 20 episodes " << k.last20 << ", greedy " << k.greedy
+                         << "; LibTorch: first " << t.first << ", last 20 " << t.last20 << ", greedy " << t.greedy);
+  CHECK(k.first < 50.0);
+  CHECK(t.first < 50.0);
+  CHECK(k.greedy >= 195.0);
+  CHECK(t.greedy >= 195.0);
+  // and training improved what it sampled: at least 4x the first iteration (8.5x the least seen, seeds 1-12)
+  CHECK(k.last20 >= 4 * k.first);
+  CHECK(t.last20 >= 4 * t.first);
 }
 
 TEST_CASE("ppo_agent on the kernels resumes from save(path, venv) bit for bit", "[cpu][env][small_net]") {
