@@ -25,6 +25,7 @@
 #include <unirl/multi_turn.hpp>
 #include <unirl/train/clip.hpp>
 #include <unirl/train/optimizer.hpp>
+#include <unirl/train/report.hpp>
 #include <unirl/train/sft.hpp>
 
 namespace ua = unirl::agents;
@@ -186,6 +187,19 @@ int main(int argc, char** argv) try {
                   {"tool_rate_after", after.tool_rate}}
                  .dump()
           << "\n";
+  metrics.close();
+  std::ofstream(out_dir + "/summary.json") << json{{"success_before", before.success},
+                                                   {"success_after", after.success},
+                                                   {"tool_rate_before", before.tool_rate},
+                                                   {"tool_rate_after", after.tool_rate},
+                                                   {"tool_calls", faults.calls},
+                                                   {"rl_steps", opt.rl_steps},
+                                                   {"seconds", secs()},
+                                                   {"options", unirl::options::to_json(opt)}}
+                                                  .dump(2)
+                                           << "\n";
+  unirl::train::write_report(out_dir);
+  std::cout << "wrote " << out_dir << "/{metrics.jsonl, summary.json, report.html}\n";
   return 0;
 } catch (const std::exception& e) {
   std::cerr << "calculator_tool: " << e.what() << "\n";
