@@ -12,7 +12,8 @@
 # format:     the export records its prompt format and a run on it uses that by default;
 # greedy:     sampling.temperature = 0 is greedy: the same completions as top_k = 1;
 # agents:     environment / tools names checked before any work (the known ones listed), a
-#             multi-turn run trains with grpo, ppo and ppo with the KL in the reward (environment.name, tools);
+#             multi-turn run trains with grpo, ppo and ppo with the KL in the reward (environment.name, tools),
+#             checkpoints and resumes to the bytes of a straight run, and stops on SIGINT with a checkpoint;
 # engine:     training rollouts go through the rollout engine by default (its figures in every
 #             metrics row); sampling.engine=false is the static batch; greedy runs agree on both.
 foreach(v TOOL RECIPE WORK CASE)
@@ -360,6 +361,48 @@ elseif(CASE STREQUAL "agents")
     string(JSON after GET "${sj}" accuracy_after)
     expect("${alg}: held-out return ${before} -> ${after}" before GREATER_EQUAL 0 AND after GREATER_EQUAL 0)
   endforeach()
+  # Checkpoints of a multi-turn run: 2 steps, then the same command to 4 resumes from step 2 and
+  # exports the bytes of a straight 4-step run (GRPO; PPO with its critic in the checkpoint); the
+  # metrics keep one row per step and summary.json counts both invocations. The fixture's policy
+  # wins no episode (every reward 0, so GRPO's advantages are 0): GRPO moves the weights by its
+  # entropy bonus here, and the straight run's weights must differ from the base model's.
+  get_filename_component(rdir "${RECIPE}" DIRECTORY)
+  file(SHA256 "${rdir}/base/model.safetensors" h0)
+  foreach(alg grpo ppo)
+    set(common algorithm=${alg} grpo.ent_coef=0.01 group_size=4 prompts_per_step=2 environment.heldout=0 schedule.total_steps=20
+               eval_data= environment.name=arithmetic environment.max_turns=2 environment.max_turn_tokens=8)
+    run(s steps=4 out=${WORK}/${alg}_straight export_dir=${WORK}/${alg}_straight/export ${common})
+    expect("${alg}: the straight 4-step run failed:\n${s}" s MATCHES "^0\n")
+    run(p1 steps=2 out=${WORK}/${alg}_resumed export_dir=none ${common})
+    expect("${alg}: the first 2 steps failed or left no checkpoint:\n${p1}"
+           p1 MATCHES "^0\n" AND EXISTS "${WORK}/${alg}_resumed/checkpoints/step-00000002.pt")
+    run(p2 steps=4 out=${WORK}/${alg}_resumed export_dir=${WORK}/${alg}_resumed/export ${common})
+    expect("${alg}: the resume did not start at step 2:\n${p2}" p2 MATCHES "^0\n"
+           AND p2 MATCHES "resumed from step-00000002.pt at step 2" AND p2 MATCHES "2 steps .from step 2.")
+    expect_steps("${WORK}/${alg}_resumed/metrics.jsonl" 4)
+    file(READ "${WORK}/${alg}_resumed/summary.json" sj)
+    string(JSON st GET "${sj}" steps)
+    string(JSON inv GET "${sj}" invocations)
+    expect("${alg}: summary.json after the resume: steps ${st} (want 4), invocations ${inv} (want 2)" st EQUAL 4 AND inv EQUAL 2)
+    file(GLOB wa "${WORK}/${alg}_straight/export/*.safetensors")
+    file(GLOB wb "${WORK}/${alg}_resumed/export/*.safetensors")
+    expect("${alg}: no exported weights (${wa} / ${wb})" wa AND wb)
+    file(SHA256 "${wa}" ha)
+    file(SHA256 "${wb}" hb)
+    expect("${alg}: 4 steps left the base model's weights as they were" NOT ha STREQUAL h0)
+    expect("${alg}: 2 + 2 resumed steps exported other weights than 4 straight ones" ha STREQUAL hb)
+  endforeach()
+  # SIGINT: the step in flight finishes, its checkpoint is written, exit 130 with the clear line.
+  set(wait_rows "wait_rows() { i=0; while [ \"$(cat \"$1\" 2>/dev/null | wc -l)\" -lt \"$2\" ] && [ $i -lt 600 ]; do sleep 0.1; i=$((i+1)); done; }")
+  set(cmd "\"${TOOL}\" --recipe \"${RECIPE}\" progress=false threads=1 out=${WORK}/agent_int export_dir=none eval_data= environment.heldout=0 environment.name=arithmetic environment.max_turns=2 environment.max_turn_tokens=8 group_size=4 prompts_per_step=2")
+  execute_process(COMMAND ${SH} -c "${wait_rows}; ${cmd} steps=100000 > ${WORK}/agent_int.out 2>&1 & pid=$!; wait_rows ${WORK}/agent_int/metrics.jsonl 2; kill -INT $pid; wait $pid; echo rc=$?"
+                  OUTPUT_VARIABLE o TIMEOUT 200)
+  file(READ "${WORK}/agent_int.out" io)
+  string(REGEX MATCH "at step ([0-9]+)" _ "${io}")
+  set(n "${CMAKE_MATCH_1}")
+  expect("SIGINT did not stop the multi-turn run with exit 130 and its checkpoint:\n${o}\n${io}" o MATCHES "rc=130"
+         AND n MATCHES "^[0-9]+$" AND io MATCHES "stopped by SIGINT at step [0-9]+. checkpoint .*step-0*${n}.pt")
+  expect_steps("${WORK}/agent_int/metrics.jsonl" ${n})
 elseif(CASE STREQUAL "engine")
   # The recipe's Qwen2 decoder is a PagedCausalLM: the default samples through the rollout engine,
   # and every metrics row carries the engine's step count and peak KV bytes; engine=false draws

@@ -32,7 +32,9 @@
 #include <optional>
 #include <random>
 #include <regex>
+#include <sstream>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -61,6 +63,7 @@
 #include <unirl/tokenizers/chat.hpp>
 #include <unirl/train/model_set_builder.hpp>
 #include <unirl/train/report.hpp>
+#include <unirl/train/checkpoint.hpp>
 #include <unirl/train/run_directory.hpp>
 #include <unirl/train/schedule.hpp>
 #include <unirl/train/sft.hpp>
@@ -1020,8 +1023,12 @@ inline std::int64_t preflight_agent(const token_recipe& r, const tokenizers::bpe
 namespace detail {
 
 // A multi-turn run (see `environment_recipe`): held-out mean return before, RL on episodes, after;
-// metrics.jsonl (one row per step), summary.json, report.html and the export. It writes no
-// checkpoints (and resumes none).
+// metrics.jsonl (one row per step), summary.json, report.html and the export. Checkpoints as the
+// single-turn run's: <out>/checkpoints/step-<n>.pt every `checkpoint.every` steps, at the end and
+// when a signal stops the run; the same command resumes from the newest complete one (the
+// trainable weights, the critic of PPO, the optimizer, the task stream and the generators: a
+// resumed run continues as the straight one would), keeping the metrics rows before it and a
+// cumulative summary.json.
 inline run_result run_agent(const token_recipe& r, const tokenizers::bpe_tokenizer& tok, const stop_request* stop) {
   using clock = std::chrono::steady_clock;
   const auto t0 = clock::now();
@@ -1031,6 +1038,19 @@ inline run_result run_agent(const token_recipe& r, const tokenizers::bpe_tokeniz
   if (r.threads > 0) torch::set_num_threads(static_cast<int>(r.threads));
   torch::manual_seed(static_cast<std::uint64_t>(r.seed));
   run_result res;
+  const train::run_directory run_dir(out, {.keep = r.checkpoint.keep});
+  if (r.checkpoint.resume) run_dir.remove_temporaries();
+  const auto last = r.checkpoint.resume ? run_dir.latest() : std::nullopt;
+  run_summary summary;  // a resumed run adds to the summary of the invocations before it
+  if (last && std::filesystem::exists(out / "summary.json")) {
+    try {
+      std::ifstream in(out / "summary.json");
+      summary.previous = nlohmann::json::parse(in);
+    } catch (const std::exception&) {
+      summary.previous = nlohmann::json::object();  // damaged by a kill: counted afresh
+    }
+    if (!summary.previous.is_object()) summary.previous = nlohmann::json::object();
+  }
   res.prompt_format = std::string(enum_to_string(r.format == prompt_format::none ? prompt_format::none
                                                                                  : concrete_format(r.format, tok)));
   auto model = load_policy(r, res);
@@ -1047,8 +1067,7 @@ inline run_result run_agent(const token_recipe& r, const tokenizers::bpe_tokeniz
   std::vector<std::uint64_t> heldout;
   for (std::int64_t i = 0; i < r.environment.heldout; ++i) heldout.push_back(heldout_seed_base + static_cast<std::uint64_t>(i));
   std::mt19937_64 rng(static_cast<std::uint64_t>(r.seed));
-  std::ofstream metrics(out / "metrics.jsonl", std::ios::trunc);
-  UNIRL_CHECK(static_cast<bool>(metrics), "recipe: cannot write ", (out / "metrics.jsonl").string());
+  std::ofstream metrics;
   auto schedule = r.schedule;
   if (schedule.total_steps == 0) schedule.total_steps = r.steps;
 
@@ -1061,10 +1080,60 @@ inline run_result run_agent(const token_recipe& r, const tokenizers::bpe_tokeniz
       res.seconds_eval += since(te);
       return o.stats.at("reward_mean");
     };
-    res.accuracy_before = evaluate();
+    // The base model's mean return is measured once per run directory.
+    res.accuracy_before = last ? summary.prev("accuracy_before", -1.0) : -1.0;
+    if (res.accuracy_before < 0) res.accuracy_before = evaluate();
+    // What a checkpoint holds: the policy's trainable weights (the frozen base is the model
+    // directory's), the critic (PPO), the optimizer, the step, the task stream and the generators.
+    auto trainable = [&] {
+      named_tensors t;
+      for (auto& [n, p] : model.named_parameters())
+        if (p.requires_grad()) t.emplace_back(n, p);
+      return t;
+    };
     auto train = [&](auto& learner, auto&& update) {
+      using learner_t = std::remove_cvref_t<decltype(learner)>;
+      constexpr bool has_critic = requires(learner_t& l) { l.critic(); };
+      std::int64_t first = 0;
+      if (last) {
+        train::read_checkpoint(last->path.string(), [&](torch::serialize::InputArchive& a) {
+          train::load_tensors(a, "policy/", trainable());
+          if constexpr (has_critic) train::load_tensors(a, "critic/", learner.critic().named_parameters());
+          learner.optimizer().load(a);
+          first = train::read_scalar<std::int64_t>(a, "step");
+          std::istringstream(train::read_scalar<std::string>(a, "tasks")) >> rng;
+          train::load_rng(a);
+        });
+        const auto rows = truncate_metrics(out / "metrics.jsonl", first);
+        if (!rows.empty() && rows.front().contains("rollout/reward_mean") && rows.front()["rollout/reward_mean"].is_number())
+          res.reward_first = rows.front()["rollout/reward_mean"].get<double>();
+        res.first_step = first;
+        std::cout << "resumed from " << last->path.filename().string() << " at step " << first << "\n";
+      }
+      metrics.open(out / "metrics.jsonl", last ? std::ios::app : std::ios::trunc);
+      UNIRL_CHECK(static_cast<bool>(metrics), "recipe: cannot write ", (out / "metrics.jsonl").string());
+      res.steps_total = first;
+      std::int64_t saved_at = last ? first : -1;
+      auto save = [&](std::int64_t done) {
+        run_dir.save(done, [&](const std::string& path) {
+          train::write_checkpoint(path, [&](torch::serialize::OutputArchive& a) {
+            train::save_tensors(a, "policy/", trainable());
+            if constexpr (has_critic) train::save_tensors(a, "critic/", learner.critic().named_parameters());
+            learner.optimizer().save(a);
+            train::write_scalar(a, "step", done);
+            std::ostringstream tasks;
+            tasks << rng;
+            train::write_scalar(a, "tasks", tasks.str());
+            train::save_rng(a);
+          });
+        });
+        saved_at = done;
+        res.checkpoint = run_dir.path_for(done).string();
+        res.seconds = since(t0);
+        summary.write(out, r, res);
+      };
       const auto tr = clock::now();
-      for (std::int64_t step = 0; step < r.steps && !(stop != nullptr && stop->requested()); ++step) {
+      for (std::int64_t step = first; step < r.steps && !(stop != nullptr && stop->requested()); ++step) {
         learner.optimizer().set_lr_multiplier(train::lr_multiplier(schedule, step));
         std::vector<std::uint64_t> seeds;
         for (std::int64_t i = 0; i < r.prompts_per_step; ++i) seeds.push_back(rng() % heldout_seed_base);
@@ -1079,15 +1148,17 @@ inline run_result run_agent(const token_recipe& r, const tokenizers::bpe_tokeniz
         for (const auto& [k, v] : ep.stats) row["rollout/" + k] = v;
         for (const auto& [k, v] : s) row[k] = v;
         metrics << row.dump() << "\n" << std::flush;
-        if (res.steps == 0) res.reward_first = ep.stats.at("reward_mean");
+        if (res.steps == 0 && !last) res.reward_first = ep.stats.at("reward_mean");
         res.reward_last = ep.stats.at("reward_mean");
         ++res.steps;
-        res.steps_total = res.steps;
+        res.steps_total = step + 1;
         if (r.progress)
           std::cerr << "\rstep " << step + 1 << "/" << r.steps << "  return " << ep.stats.at("reward_mean") << "  turns "
                     << ep.stats.at("turns_mean") << "  tool calls " << ep.stats.at("tool_call_rate") << std::flush;
+        if (r.checkpoint.every > 0 && (step + 1) % r.checkpoint.every == 0) save(step + 1);
       }
       if (r.progress && res.steps > 0) std::cerr << "\n";
+      if (res.steps > 0 && saved_at != res.steps_total) save(res.steps_total);
       res.seconds_rl = since(tr);
     };
     const auto pad = tok.pad_id();
@@ -1107,7 +1178,6 @@ inline run_result run_agent(const token_recipe& r, const tokenizers::bpe_tokeniz
     }
     res.accuracy_after = evaluate();
   });
-  const run_summary summary;
   if (res.interrupted_by == 0 && r.export_dir != "none") {
     res.export_dir = r.export_dir.empty() ? (out / "export").string() : r.export_dir;
     export_policy(model, r, res);
