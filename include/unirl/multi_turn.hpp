@@ -13,6 +13,7 @@
 /// auto stats = learner.step(out.episodes, 8, pad_id);
 /// ```
 #include <unirl/agents/builtin.hpp>
+#include <unirl/agents/demonstration.hpp>
 #include <unirl/agents/episode_grpo.hpp>
 #include <unirl/agents/episode_ppo.hpp>
 #include <unirl/agents/rollout.hpp>

@@ -316,16 +316,67 @@ elseif(CASE STREQUAL "agents")
          AND b MATCHES "tools.: unknown tool 'browser'. the built-in tools are calculator")
   run(c steps=1 out=${WORK}/c tools=calculator ${quick})
   expect("tools without an environment were accepted:\n${c}" NOT c MATCHES "^0\n" AND c MATCHES "no environment.name is set")
-  run(d steps=1 out=${WORK}/d ${agent} sft.steps=2)
+  run(d steps=1 out=${WORK}/d ${agent} micro_batch_size=2)
   expect("a key a multi-turn run does not read was accepted:\n${d}" NOT d MATCHES "^0\n"
-         AND d MATCHES "sft.steps.: is set, but a multi-turn run")
+         AND d MATCHES "micro_batch_size.: is set, but a multi-turn run")
   run(e steps=1 out=${WORK}/e ${agent} tools=calculator)
   expect("a prompt past the context was not found in pre-flight:\n${e}" NOT e MATCHES "^0\n"
          AND e MATCHES "environment.max_episode_tokens.: the first prompt of the environment 'arithmetic' .task seed 0. is [0-9]+ tokens with the tools' definitions"
          AND e MATCHES "the model's context = 64")
-  foreach(v a b c d e)
-    expect("pre-flight ran after work had started (${v})" NOT EXISTS "${WORK}/${v}/metrics.jsonl")
+  # The supervised stage reads demonstration conversations: a missing sft.data, a file that cannot
+  # be read and a bad line (named by file:line) are found before any work.
+  set(q "\"")
+  file(WRITE "${WORK}/demos.jsonl"
+       "{${q}messages${q}: [{${q}role${q}: ${q}user${q}, ${q}content${q}: ${q}What is 123*45?${q}}, {${q}role${q}: ${q}assistant${q}, ${q}content${q}: ${q}5535${q}}]}\n\n"
+       "{${q}messages${q}: [{${q}role${q}: ${q}user${q}, ${q}content${q}: ${q}What is 200*11?${q}}, {${q}role${q}: ${q}assistant${q}, ${q}content${q}: ${q}2200${q}}]}\n")
+  file(READ "${WORK}/demos.jsonl" good)
+  file(WRITE "${WORK}/bad_demos.jsonl" "${good}{${q}messages${q}: [{${q}role${q}: ${q}robot${q}, ${q}content${q}: ${q}x${q}}]}\n")
+  run(f steps=1 out=${WORK}/f ${agent} sft.steps=2)
+  expect("sft.steps without sft.data was accepted:\n${f}" NOT f MATCHES "^0\n" AND f MATCHES "sft.data.: is empty, but sft.steps = 2")
+  run(g steps=1 out=${WORK}/g ${agent} sft.steps=2 sft.data=${WORK}/none.jsonl)
+  expect("a missing sft.data was accepted:\n${g}" NOT g MATCHES "^0\n" AND g MATCHES "sft.data.: cannot open")
+  run(h steps=1 out=${WORK}/h ${agent} sft.steps=2 sft.data=${WORK}/bad_demos.jsonl)
+  expect("a bad demonstration was not named by file:line:\n${h}" NOT h MATCHES "^0\n"
+         AND h MATCHES "bad_demos.jsonl:4: demonstration: message 0 has role 'robot'")
+  foreach(v a b c d e f g h)
+    expect("pre-flight ran after work had started (${v})" NOT EXISTS "${WORK}/${v}/metrics.jsonl"
+           AND NOT EXISTS "${WORK}/${v}/sft_metrics.jsonl")
   endforeach()
+  # Demonstrations, then RL: one sft_metrics row per step with a falling loss, the stage's
+  # checkpoint, the held-out return after it in summary.json.
+  run(i steps=1 out=${WORK}/i ${agent} sft.steps=6 sft.batch_size=2 sft.optim.lr=1e-3 sft.data=${WORK}/demos.jsonl
+      environment.heldout=2 group_size=2 prompts_per_step=1)
+  expect("SFT then RL failed:\n${i}" i MATCHES "^0\n")
+  expect_steps("${WORK}/i/sft_metrics.jsonl" 6)
+  file(STRINGS "${WORK}/i/sft_metrics.jsonl" srows)
+  list(GET srows 0 s0)
+  list(GET srows 5 s5)
+  string(JSON l0 GET "${s0}" loss)
+  string(JSON l5 GET "${s5}" loss)
+  expect("the supervised stage did not lower its loss: ${l0} -> ${l5}" l5 LESS l0)
+  expect("no checkpoint of the supervised stage" EXISTS "${WORK}/i/sft/checkpoints/step-00000006.pt")
+  file(READ "${WORK}/i/summary.json" sj)
+  string(JSON ss GET "${sj}" sft_steps)
+  string(JSON as GET "${sj}" accuracy_after_sft)
+  expect("summary.json after SFT: sft_steps ${ss} (want 6), accuracy_after_sft ${as}" ss EQUAL 6 AND as GREATER_EQUAL 0)
+  # SIGTERM in the supervised stage: its checkpoint, exit 143; the resume finishes the stage.
+  set(wait_rows "wait_rows() { i=0; while [ \"$(cat \"$1\" 2>/dev/null | wc -l)\" -lt \"$2\" ] && [ $i -lt 600 ]; do sleep 0.1; i=$((i+1)); done; }")
+  set(sft "\"${TOOL}\" --recipe \"${RECIPE}\" progress=false threads=1 out=${WORK}/j export_dir=none eval_data= environment.name=arithmetic environment.max_turns=2 environment.max_turn_tokens=8 steps=1 group_size=2 prompts_per_step=1 sft.steps=400 sft.batch_size=2 sft.data=${WORK}/demos.jsonl")
+  execute_process(COMMAND ${SH} -c "${wait_rows}; ${sft} > ${WORK}/j.out 2>&1 & pid=$!; wait_rows ${WORK}/j/sft_metrics.jsonl 3; kill -TERM $pid; wait $pid; echo rc=$?"
+                  OUTPUT_VARIABLE o TIMEOUT 200)
+  file(READ "${WORK}/j.out" jo)
+  string(REGEX MATCH "at supervised step ([0-9]+)" _ "${jo}")
+  set(k "${CMAKE_MATCH_1}")
+  file(GLOB jck "${WORK}/j/sft/checkpoints/step-*.pt")
+  expect("SIGTERM in the multi-turn SFT stage: ${o}\n${jo}\ncheckpoints: ${jck}" o MATCHES "rc=143" AND k MATCHES "^[0-9]+$"
+         AND k LESS 400 AND jck MATCHES "step-0*${k}.pt")
+  expect_steps("${WORK}/j/sft_metrics.jsonl" ${k})
+  execute_process(COMMAND ${SH} -c "${sft}" RESULT_VARIABLE rc OUTPUT_VARIABLE o ERROR_VARIABLE e TIMEOUT 300)
+  expect("the multi-turn SFT resume failed:\n${o}\n${e}" rc EQUAL 0 AND o MATCHES "sft: resumed at step ${k}")
+  expect_steps("${WORK}/j/sft_metrics.jsonl" 400)
+  file(READ "${WORK}/j/summary.json" sj)
+  string(JSON ss GET "${sj}" sft_steps)
+  expect("summary.json: sft_steps ${ss}, expected 400 over both invocations" ss EQUAL 400)
   # Both learners train from the command line: one metrics row per step, the rollout's and the
   # update's figures in it, the held-out mean return before and after in summary.json.
   # ppo_kl: PPO with a reference model and the KL in the token rewards before GAE.

@@ -43,6 +43,7 @@
 #include <torch/torch.h>
 
 #include <unirl/agents/builtin.hpp>
+#include <unirl/agents/demonstration.hpp>
 #include <unirl/agents/episode_grpo.hpp>
 #include <unirl/agents/episode_ppo.hpp>
 #include <unirl/agents/rollout.hpp>
@@ -249,7 +250,7 @@ inline constexpr std::array unirl::options::field_docs<unirl::recipes::reward_re
 template <>
 inline constexpr std::array unirl::options::field_docs<unirl::recipes::sft_recipe>{
     unirl::options::field_doc{"steps", "optimizer steps of the supervised stage before RL; 0 = no supervised stage"},
-    unirl::options::field_doc{"data", "JSONL with prompt and answer (the keys of `data`); empty = `data.path`"},
+    unirl::options::field_doc{"data", "JSONL with prompt and answer (the keys of `data`; empty = `data.path`); a multi-turn run: one {\"messages\": [...]} conversation per line"},
     unirl::options::field_doc{"batch_size", "sequences per supervised step"},
     unirl::options::field_doc{"layout", "padded rows, or packed (sequence packing)"}};
 template <>
@@ -962,6 +963,53 @@ inline agents::episode_ppo_options episode_ppo_options_of(const token_recipe& r)
 // Held-out tasks draw seeds from 2^40 up, training tasks below.
 inline constexpr std::uint64_t heldout_seed_base = std::uint64_t{1} << 40;
 
+// The demonstrations of a multi-turn run's supervised stage: `sft.data`, one conversation per line
+// ({"messages": [{"role": ..., "content": ...}, ...]}), each laid out as its episode would be
+// (`agents::demonstration_trajectory`). Every line is read and checked — JSON, roles, an assistant
+// message, the token count against `limit` — and a bad one is an error naming the file and line.
+inline std::vector<agents::trajectory> agent_demonstrations(const token_recipe& r, const tokenizers::bpe_tokenizer& tok,
+                                                            const std::vector<nlohmann::json>& tool_defs,
+                                                            std::int64_t limit) {
+  std::ifstream in(r.sft.data);
+  if (!in) throw config_error("sft.data", "cannot open '" + r.sft.data + "' for reading");
+  const auto f = agent_format(r, tok);
+  const agents::token_encoder encode = [&](const std::string& s) { return tok.encode(s); };
+  std::vector<agents::trajectory> demos;
+  std::string line;
+  for (std::int64_t no = 1; std::getline(in, line); ++no) {
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    const auto at = r.sft.data + ":" + std::to_string(no);
+    auto bad = [&](const std::string& why) { return config_error("sft.data", at + ": " + why); };
+    nlohmann::json j;
+    try {
+      j = nlohmann::json::parse(line);
+    } catch (const std::exception& e) {
+      throw bad(std::string("not a JSON object (") + e.what() + ")");
+    }
+    if (!j.is_object() || !j.contains("messages") || !j["messages"].is_array())
+      throw bad("expected an object with a \"messages\" array of {\"role\", \"content\"} objects");
+    std::vector<tokenizers::chat_message> msgs;
+    for (const auto& m : j["messages"]) {
+      if (!m.is_object() || !m.contains("role") || !m["role"].is_string() || !m.contains("content") ||
+          !m["content"].is_string())
+        throw bad("message " + std::to_string(msgs.size()) + ": expected {\"role\": string, \"content\": string}");
+      msgs.push_back({m["role"].get<std::string>(), m["content"].get<std::string>()});
+    }
+    agents::trajectory t;
+    try {
+      t = agents::demonstration_trajectory(f, msgs, encode, tool_defs, r.system_prompt);
+    } catch (const std::invalid_argument& e) {
+      throw bad(e.what());
+    }
+    if (t.size() > limit)
+      throw bad("the conversation is " + std::to_string(t.size()) + " tokens; expected at most " + std::to_string(limit) +
+                " (environment.max_episode_tokens and the model's context)");
+    demos.push_back(std::move(t));
+  }
+  if (demos.empty()) throw config_error("sft.data", "'" + r.sft.data + "' holds no conversation; expected one per line");
+  return demos;
+}
+
 }  // namespace detail
 
 /// Pre-flight of a multi-turn run (`environment.name` set), before any weights are loaded: keys
@@ -975,7 +1023,10 @@ inline std::int64_t preflight_agent(const token_recipe& r, const tokenizers::bpe
       throw config_error(key, std::string("is set, but a multi-turn run (environment.name = ") + r.environment.name +
                                   ") does not read it: its tasks come from the environment");
   };
-  not_read("sft.steps", r.sft.steps > 0);
+  if (r.sft.steps > 0 && r.sft.data.empty())
+    throw config_error("sft.data", "is empty, but sft.steps = " + std::to_string(r.sft.steps) +
+                                       ": a multi-turn run's supervised stage reads demonstration conversations, one "
+                                       "{\"messages\": [{\"role\": ..., \"content\": ...}, ...]} per line");
   not_read("eval_data", !r.eval_data.empty());
   not_read("micro_batch_size", r.micro_batch_size > 0);
   not_read("precision", r.precision != ::unirl::precision::fp32);
@@ -998,6 +1049,7 @@ inline std::int64_t preflight_agent(const token_recipe& r, const tokenizers::bpe
   if (ao.format == tokenizers::chat_format::chatml || ao.format == tokenizers::chat_format::qwen2_5)
     defs = tools.definitions();
   const auto limit = std::min<std::int64_t>(r.environment.max_episode_tokens, cfg.max_position_embeddings);
+  if (r.sft.steps > 0) detail::agent_demonstrations(r, tok, defs, limit);  // every line, before any work
   agents::with_builtin_environment(r.environment.name, [&](auto env) {
     for (std::uint64_t seed = 0; seed < 8; ++seed) {
       const auto first = env.reset(seed);
@@ -1091,6 +1143,88 @@ inline run_result run_agent(const token_recipe& r, const tokenizers::bpe_tokeniz
         if (p.requires_grad()) t.emplace_back(n, p);
       return t;
     };
+    const auto stopped = [&] { return stop != nullptr && stop->requested(); };
+    // The supervised stage on demonstration conversations (sft.steps > 0): cross-entropy on the
+    // assistant turns, laid out as the episodes are. Its checkpoints are <out>/sft/checkpoints/
+    // (every checkpoint.every steps, at its end and on a signal; a resume continues it); once RL
+    // has a checkpoint, the stage's result is in it and the stage does not run again.
+    if (r.sft.steps > 0 && last) {
+      res.sft_steps_total = r.sft.steps;
+    } else if (r.sft.steps > 0) {
+      const auto ts = clock::now();
+      std::vector<nlohmann::json> defs;
+      if (ao.format == tokenizers::chat_format::chatml || ao.format == tokenizers::chat_format::qwen2_5)
+        defs = tools.definitions();
+      const auto demos = agent_demonstrations(
+          r, tok, defs, std::min<std::int64_t>(r.environment.max_episode_tokens, model.max_length()));
+      const train::run_directory sft_dir(out / "sft", {.keep = r.checkpoint.keep});
+      if (r.checkpoint.resume) sft_dir.remove_temporaries();
+      const auto sft_last = r.checkpoint.resume ? sft_dir.latest() : std::nullopt;
+      train::optimizer optim(trainable(), r.sft.optim);
+      auto sched = r.sft.schedule;
+      if (sched.total_steps == 0) sched.total_steps = r.sft.steps;
+      std::int64_t k = 0, pos = 0;
+      if (sft_last) {
+        train::read_checkpoint(sft_last->path.string(), [&](torch::serialize::InputArchive& a) {
+          train::load_tensors(a, "policy/", trainable());
+          optim.load(a);
+          k = train::read_scalar<std::int64_t>(a, "step");
+          pos = train::read_scalar<std::int64_t>(a, "position") % static_cast<std::int64_t>(demos.size());
+        });
+        truncate_metrics(out / "sft_metrics.jsonl", k);
+        std::cout << "sft: resumed at step " << k << "\n";
+      }
+      std::ofstream sm(out / "sft_metrics.jsonl", sft_last ? std::ios::app : std::ios::trunc);
+      UNIRL_CHECK(static_cast<bool>(sm), "recipe: cannot write ", (out / "sft_metrics.jsonl").string());
+      std::int64_t saved = sft_last ? k : -1;
+      auto save_sft = [&](std::int64_t done) {
+        sft_dir.save(done, [&](const std::string& path) {
+          train::write_checkpoint(path, [&](torch::serialize::OutputArchive& a) {
+            train::save_tensors(a, "policy/", trainable());
+            optim.save(a);
+            train::write_scalar(a, "step", done);
+            train::write_scalar(a, "position", pos);
+          });
+        });
+        saved = done;
+        res.checkpoint = sft_dir.path_for(done).string();
+      };
+      std::vector<torch::Tensor> params;
+      for (auto& [n, p] : trainable()) params.push_back(p);
+      const auto first_k = k;
+      model.train(true);
+      for (; k < r.sft.steps && !stopped(); ++k) {
+        std::vector<agents::trajectory> batch;
+        for (std::int64_t i = 0; i < r.sft.batch_size; ++i) {
+          batch.push_back(demos[static_cast<std::size_t>(pos)]);
+          pos = (pos + 1) % static_cast<std::int64_t>(demos.size());
+        }
+        optim.set_lr_multiplier(train::lr_multiplier(sched, k));
+        const auto loss = train::sft_loss(model, agents::sft_batch_of(batch, tok.pad_id()), r.sft.layout);
+        optim.zero_grad();
+        loss.backward();
+        if (r.sft.clip.max_grad_norm > 0.0) train::clip_grad_norm(params, r.sft.clip.max_grad_norm);
+        optim.step();
+        sm << nlohmann::json{{"step", k}, {"loss", loss.item<double>()},
+                             {"learning_rate", r.sft.optim.lr * optim.lr_multiplier()}}
+                  .dump()
+           << "\n"
+           << std::flush;
+        if (r.progress) std::cerr << "\rsft step " << k + 1 << "/" << r.sft.steps << std::flush;
+        if (r.checkpoint.every > 0 && (k + 1) % r.checkpoint.every == 0) save_sft(k + 1);
+      }
+      if (r.progress && k > first_k) std::cerr << "\n";
+      model.train(false);
+      res.sft_steps = k - first_k;
+      res.sft_steps_total = k;
+      if (saved != k && k > first_k) save_sft(k);
+      res.seconds_sft = since(ts);
+      if (stopped()) {
+        res.interrupted_by = stop->signal();
+        return;
+      }
+      res.accuracy_after_sft = evaluate();
+    }
     auto train = [&](auto& learner, auto&& update) {
       using learner_t = std::remove_cvref_t<decltype(learner)>;
       constexpr bool has_critic = requires(learner_t& l) { l.critic(); };

@@ -27,6 +27,7 @@
 #include <unirl/agents/remote_environment.hpp>
 #include <unirl/envs/guess_number.hpp>
 #include <unirl/multi_turn.hpp>
+#include <unirl/agents/demonstration.hpp>
 #include <unirl/tokenizers/tokenizers.hpp>
 
 #include "env_server_child.hpp"
@@ -211,6 +212,63 @@ TEST_CASE("episodes: the trajectory's ids equal Qwen3's template rendering of th
   CHECK(out.stats.at("tool_call_rate") == 1.0);
   CHECK(out.stats.at("turns_mean") == 2.0);
   CHECK(decodes > 0);  // turns are read (stop strings, calls), never re-encoded
+
+  // A demonstration of the same conversation (the supervised stage's input) is the same tokens
+  // with the same policy mask: SFT imitates exactly the layout RL samples.
+  const auto demo = demonstration_trajectory(chat_format::chatml, conv, io.encode, tools.definitions());
+  CHECK(demo.tokens == want);
+  CHECK(demo.policy == policy);
+  CHECK(demo.turns() == 2);
+  // Messages after the last assistant message are left out; a tool reply without an assistant
+  // message after it does not enter either.
+  auto longer = conv;
+  longer.push_back({"user", "Thanks."});
+  CHECK(demonstration_trajectory(chat_format::chatml, longer, io.encode, tools.definitions()).tokens == want);
+}
+
+TEST_CASE("demonstrations: every chat format lays a conversation out as its template renders it; bad ones are named",
+          "[agents][cpu]") {
+  const models::char_tokenizer tok([] {
+    std::string s = "\n";
+    for (char ch = 32; ch < 127; ++ch) s += ch;
+    return s;
+  }());
+  const token_encoder enc = [&](const std::string& s) { return tok.encode(s); };
+  using tokenizers::chat_format;
+  const std::vector<tokenizers::chat_message> conv{{"user", "Guess my number."}, {"assistant", "50"},
+                                                   {"user", "Lower."},           {"assistant", "25"},
+                                                   {"user", "Higher."},          {"assistant", "37"}};
+  for (const auto f : {chat_format::chatml, chat_format::qwen2_5, chat_format::llama3, chat_format::plain}) {
+    const auto t = demonstration_trajectory(f, conv, enc, {}, "Play well.");
+    auto with_system = conv;
+    with_system.insert(with_system.begin(), {"system", "Play well."});
+    // The whole conversation's rendering, up to the last turn's end marker (a newline follows it in ChatML).
+    const auto stop = unirl::agents::detail::turn_stop(f);
+    auto whole = tokenizers::apply_chat_template(f, with_system, false);
+    whole.resize(whole.rfind(stop) + stop.size());
+    CHECK(tok.decode(t.tokens) == whole);
+    // The policy's tokens are exactly the three answers, each with its end marker (and, in plain,
+    // the space its template writes after "Assistant:").
+    std::string trained;
+    for (std::size_t i = 0; i < t.tokens.size(); ++i)
+      if (t.policy[i]) trained += tok.decode({t.tokens[i]});
+    const std::string lead = f == chat_format::plain ? " " : "";
+    CHECK(trained == lead + "50" + stop + lead + "25" + stop + lead + "37" + stop);
+    CHECK(t.turns() == 3);
+  }
+  auto error_of = [&](const std::vector<tokenizers::chat_message>& m) {
+    try {
+      demonstration_trajectory(chat_format::chatml, m, enc);
+    } catch (const std::invalid_argument& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  CHECK_THAT(error_of({{"user", "hi"}, {"robot", "x"}}), Catch::Contains("message 1 has role 'robot'"));
+  CHECK_THAT(error_of({{"user", "hi"}, {"user", "again"}}), Catch::Contains("no assistant message"));
+  CHECK_THAT(error_of({{"assistant", "first"}}), Catch::Contains("has no user or tool message before it"));
+  CHECK_THAT(error_of({{"user", "hi"}, {"assistant", "a"}, {"system", "late"}, {"assistant", "b"}}),
+             Catch::Contains("message 2 is a system message"));
 }
 
 namespace {
