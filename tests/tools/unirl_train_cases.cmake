@@ -376,7 +376,8 @@ elseif(CASE STREQUAL "agents")
   expect_steps("${WORK}/j/sft_metrics.jsonl" 400)
   file(READ "${WORK}/j/summary.json" sj)
   string(JSON ss GET "${sj}" sft_steps)
-  expect("summary.json: sft_steps ${ss}, expected 400 over both invocations" ss EQUAL 400)
+  string(JSON inv GET "${sj}" invocations)
+  expect("summary.json: sft_steps ${ss}, invocations ${inv}; expected 400 and 2" ss EQUAL 400 AND inv EQUAL 2)
   # Both learners train from the command line: one metrics row per step, the rollout's and the
   # update's figures in it, the held-out mean return before and after in summary.json.
   # ppo_kl: PPO with a reference model and the KL in the token rewards before GAE.

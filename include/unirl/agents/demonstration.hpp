@@ -17,7 +17,9 @@
 /// ```
 /// Messages after the last assistant message are not part of it (nothing would be trained on
 /// them). Every segment is encoded once; nothing is decoded.
+#include <cstddef>
 #include <cstdint>
+#include <stdexcept>
 #include <string>
 #include <vector>
 

@@ -706,6 +706,18 @@ inline std::pair<std::int64_t, std::int64_t> run_sft(const token_recipe& r, cons
 struct run_summary {
   nlohmann::json previous = nlohmann::json::object();  // what an earlier invocation wrote ({} if none)
 
+  // Reads the summary an earlier invocation wrote in `out` (none, or one damaged by a kill: {}).
+  void continue_from(const std::filesystem::path& out) {
+    previous = nlohmann::json::object();
+    if (!std::filesystem::exists(out / "summary.json")) return;
+    try {
+      std::ifstream in(out / "summary.json");
+      previous = nlohmann::json::parse(in);
+    } catch (const std::exception&) {
+      previous = nlohmann::json::object();  // damaged by a kill: counted afresh
+    }
+    if (!previous.is_object()) previous = nlohmann::json::object();
+  }
   double prev(const char* key, double fallback) const {
     return previous.contains(key) && previous[key].is_number() ? previous[key].get<double>() : fallback;
   }
@@ -792,15 +804,7 @@ run_result run_with(const token_recipe& r, const tokenizers::bpe_tokenizer& tok,
   const auto last = r.checkpoint.resume ? run_dir.latest() : std::nullopt;
   // An invocation that resumes adds to the summary of the ones before; a fresh one starts it.
   run_summary summary;
-  if (r.checkpoint.resume && (last || sft_dir.latest()) && std::filesystem::exists(out / "summary.json")) {
-    try {
-      std::ifstream in(out / "summary.json");
-      summary.previous = nlohmann::json::parse(in);
-    } catch (const std::exception&) {
-      summary.previous = nlohmann::json::object();  // damaged by a kill: counted afresh
-    }
-    if (!summary.previous.is_object()) summary.previous = nlohmann::json::object();
-  }
+  if (r.checkpoint.resume && (last || sft_dir.latest())) summary.continue_from(out);
 
   auto model = load_policy(r, res);
   const auto s = run_sampling(r, tok);
@@ -1094,15 +1098,7 @@ inline run_result run_agent(const token_recipe& r, const tokenizers::bpe_tokeniz
   if (r.checkpoint.resume) run_dir.remove_temporaries();
   const auto last = r.checkpoint.resume ? run_dir.latest() : std::nullopt;
   run_summary summary;  // a resumed run adds to the summary of the invocations before it
-  if (last && std::filesystem::exists(out / "summary.json")) {
-    try {
-      std::ifstream in(out / "summary.json");
-      summary.previous = nlohmann::json::parse(in);
-    } catch (const std::exception&) {
-      summary.previous = nlohmann::json::object();  // damaged by a kill: counted afresh
-    }
-    if (!summary.previous.is_object()) summary.previous = nlohmann::json::object();
-  }
+  if (r.checkpoint.resume && (last || train::run_directory(out / "sft").latest())) summary.continue_from(out);
   res.prompt_format = std::string(enum_to_string(r.format == prompt_format::none ? prompt_format::none
                                                                                  : concrete_format(r.format, tok)));
   auto model = load_policy(r, res);
@@ -1133,7 +1129,7 @@ inline run_result run_agent(const token_recipe& r, const tokenizers::bpe_tokeniz
       return o.stats.at("reward_mean");
     };
     // The base model's mean return is measured once per run directory.
-    res.accuracy_before = last ? summary.prev("accuracy_before", -1.0) : -1.0;
+    res.accuracy_before = summary.prev("accuracy_before", -1.0);
     if (res.accuracy_before < 0) res.accuracy_before = evaluate();
     // What a checkpoint holds: the policy's trainable weights (the frozen base is the model
     // directory's), the critic (PPO), the optimizer, the step, the task stream and the generators.
