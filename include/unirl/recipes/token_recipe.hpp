@@ -1019,9 +1019,14 @@ inline std::vector<agents::trajectory> agent_demonstrations(const token_recipe& 
 /// Pre-flight of a multi-turn run (`environment.name` set), before any weights are loaded: keys
 /// a multi-turn run does not read are errors naming them; the device, `out` and the export
 /// directory; the stop tokens; the learner's options; and the first prompts of the environment
-/// (with the tools' definitions) against `environment.max_episode_tokens` and the model's context.
-/// Returns the model's context.
-inline std::int64_t preflight_agent(const token_recipe& r, const tokenizers::bpe_tokenizer& tok) {
+/// (with the tools' definitions) against `environment.max_episode_tokens` and the model's context;
+/// with a supervised stage, every demonstration of `sft.data`. Returns the context and the
+/// demonstrations (read once, here).
+struct agent_preflight {
+  std::int64_t context = 0;
+  std::vector<agents::trajectory> demonstrations{};
+};
+inline agent_preflight preflight_agent(const token_recipe& r, const tokenizers::bpe_tokenizer& tok) {
   const auto not_read = [&](const char* key, bool set) {
     if (set)
       throw config_error(key, std::string("is set, but a multi-turn run (environment.name = ") + r.environment.name +
@@ -1053,7 +1058,8 @@ inline std::int64_t preflight_agent(const token_recipe& r, const tokenizers::bpe
   if (ao.format == tokenizers::chat_format::chatml || ao.format == tokenizers::chat_format::qwen2_5)
     defs = tools.definitions();
   const auto limit = std::min<std::int64_t>(r.environment.max_episode_tokens, cfg.max_position_embeddings);
-  if (r.sft.steps > 0) detail::agent_demonstrations(r, tok, defs, limit);  // every line, before any work
+  agent_preflight pf{.context = cfg.max_position_embeddings};
+  if (r.sft.steps > 0) pf.demonstrations = detail::agent_demonstrations(r, tok, defs, limit);  // before any work
   agents::with_builtin_environment(r.environment.name, [&](auto env) {
     for (std::uint64_t seed = 0; seed < 8; ++seed) {
       const auto first = env.reset(seed);
@@ -1073,7 +1079,7 @@ inline std::int64_t preflight_agent(const token_recipe& r, const tokenizers::bpe
                                std::to_string(cfg.max_position_embeddings) + ")");
     }
   });
-  return cfg.max_position_embeddings;
+  return pf;
 }
 
 namespace detail {
@@ -1085,7 +1091,8 @@ namespace detail {
 // trainable weights, the critic of PPO, the optimizer, the task stream and the generators: a
 // resumed run continues as the straight one would), keeping the metrics rows before it and a
 // cumulative summary.json.
-inline run_result run_agent(const token_recipe& r, const tokenizers::bpe_tokenizer& tok, const stop_request* stop) {
+inline run_result run_agent(const token_recipe& r, const tokenizers::bpe_tokenizer& tok,
+                            const std::vector<agents::trajectory>& demos, const stop_request* stop) {
   using clock = std::chrono::steady_clock;
   const auto t0 = clock::now();
   auto since = [](clock::time_point a) { return std::chrono::duration<double>(clock::now() - a).count(); };
@@ -1140,6 +1147,17 @@ inline run_result run_agent(const token_recipe& r, const tokenizers::bpe_tokeniz
       return t;
     };
     const auto stopped = [&] { return stop != nullptr && stop->requested(); };
+    // The part of a checkpoint both stages write: the trainable weights, their optimizer, the step.
+    auto write_state = [&](torch::serialize::OutputArchive& a, const train::optimizer& o, std::int64_t step) {
+      train::save_tensors(a, "policy/", trainable());
+      o.save(a);
+      train::write_scalar(a, "step", step);
+    };
+    auto read_state = [&](torch::serialize::InputArchive& a, train::optimizer& o) {
+      train::load_tensors(a, "policy/", trainable());
+      o.load(a);
+      return train::read_scalar<std::int64_t>(a, "step");
+    };
     // The supervised stage on demonstration conversations (sft.steps > 0): cross-entropy on the
     // assistant turns, laid out as the episodes are. Its checkpoints are <out>/sft/checkpoints/
     // (every checkpoint.every steps, at its end and on a signal; a resume continues it); once RL
@@ -1148,11 +1166,7 @@ inline run_result run_agent(const token_recipe& r, const tokenizers::bpe_tokeniz
       res.sft_steps_total = r.sft.steps;
     } else if (r.sft.steps > 0) {
       const auto ts = clock::now();
-      std::vector<nlohmann::json> defs;
-      if (ao.format == tokenizers::chat_format::chatml || ao.format == tokenizers::chat_format::qwen2_5)
-        defs = tools.definitions();
-      const auto demos = agent_demonstrations(
-          r, tok, defs, std::min<std::int64_t>(r.environment.max_episode_tokens, model.max_length()));
+      UNIRL_CHECK(!demos.empty(), "recipe: a supervised stage without demonstrations (preflight_agent reads them)");
       const train::run_directory sft_dir(out / "sft", {.keep = r.checkpoint.keep});
       if (r.checkpoint.resume) sft_dir.remove_temporaries();
       const auto sft_last = r.checkpoint.resume ? sft_dir.latest() : std::nullopt;
@@ -1162,9 +1176,7 @@ inline run_result run_agent(const token_recipe& r, const tokenizers::bpe_tokeniz
       std::int64_t k = 0, pos = 0;
       if (sft_last) {
         train::read_checkpoint(sft_last->path.string(), [&](torch::serialize::InputArchive& a) {
-          train::load_tensors(a, "policy/", trainable());
-          optim.load(a);
-          k = train::read_scalar<std::int64_t>(a, "step");
+          k = read_state(a, optim);
           pos = train::read_scalar<std::int64_t>(a, "position") % static_cast<std::int64_t>(demos.size());
         });
         truncate_metrics(out / "sft_metrics.jsonl", k);
@@ -1176,9 +1188,7 @@ inline run_result run_agent(const token_recipe& r, const tokenizers::bpe_tokeniz
       auto save_sft = [&](std::int64_t done) {
         sft_dir.save(done, [&](const std::string& path) {
           train::write_checkpoint(path, [&](torch::serialize::OutputArchive& a) {
-            train::save_tensors(a, "policy/", trainable());
-            optim.save(a);
-            train::write_scalar(a, "step", done);
+            write_state(a, optim, done);
             train::write_scalar(a, "position", pos);
           });
         });
@@ -1227,10 +1237,8 @@ inline run_result run_agent(const token_recipe& r, const tokenizers::bpe_tokeniz
       std::int64_t first = 0;
       if (last) {
         train::read_checkpoint(last->path.string(), [&](torch::serialize::InputArchive& a) {
-          train::load_tensors(a, "policy/", trainable());
+          first = read_state(a, learner.optimizer());
           if constexpr (has_critic) train::load_tensors(a, "critic/", learner.critic().named_parameters());
-          learner.optimizer().load(a);
-          first = train::read_scalar<std::int64_t>(a, "step");
           std::istringstream(train::read_scalar<std::string>(a, "tasks")) >> rng;
           train::load_rng(a);
         });
@@ -1247,10 +1255,8 @@ inline run_result run_agent(const token_recipe& r, const tokenizers::bpe_tokeniz
       auto save = [&](std::int64_t done) {
         run_dir.save(done, [&](const std::string& path) {
           train::write_checkpoint(path, [&](torch::serialize::OutputArchive& a) {
-            train::save_tensors(a, "policy/", trainable());
+            write_state(a, learner.optimizer(), done);
             if constexpr (has_critic) train::save_tensors(a, "critic/", learner.critic().named_parameters());
-            learner.optimizer().save(a);
-            train::write_scalar(a, "step", done);
             std::ostringstream tasks;
             tasks << rng;
             train::write_scalar(a, "tasks", tasks.str());
@@ -1331,8 +1337,8 @@ inline run_result run(const token_recipe& recipe, const stop_request* stop = nul
   const bool recorded = apply_recorded_format(r);
   auto tok = tokenizers::bpe_tokenizer::from_dir(r.model);
   if (!r.environment.name.empty()) {  // a multi-turn agent run
-    preflight_agent(r, tok);
-    return detail::run_agent(r, tok, stop);
+    const auto pf = preflight_agent(r, tok);
+    return detail::run_agent(r, tok, pf.demonstrations, stop);
   }
   const auto pf = preflight(r, tok);
   if (recorded)
