@@ -1,7 +1,9 @@
 #pragma once
 /// \file action_parser.hpp
 /// Actions of a multimodal agent (seed 003 §8.1) parsed from the text a model wrote:
-/// `click(12, 30)`, `scroll(12, 30, down)`, `type(12, 30, "7")`. Torch-free (the fuzz target
+/// `click(12, 30)`, `scroll(12, 30, down)`, `type(12, 30, "7")`, and seed 003's short forms
+/// for a page agent: `scroll(3)` (dy), `type("7")` (into the focused field), `navigate(shop)`.
+/// Torch-free (the fuzz target
 /// tests/fuzz/fuzz_action_parser.cpp builds it with libFuzzer); rewards/actions.hpp scores it.
 ///
 /// ```cpp
@@ -13,16 +15,19 @@
 ///
 /// Grammar (ASCII; names and directions are case-insensitive; `ws` is spaces, tabs, newlines):
 ///
-///     action    := ws (click | scroll | type) ws
+///     action    := ws (click | scroll | type | navigate) ws
 ///     click     := "click"  ws "(" ws num ws "," ws num ws ")"
-///     scroll    := "scroll" ws "(" ws num ws "," ws num ws "," ws (direction | num ws "," ws num) ws ")"
-///     type      := "type"   ws "(" ws num ws "," ws num ws "," ws string ws ")"
+///     scroll    := "scroll" ws "(" ws num ws ["," ws num ws "," ws (direction | num ws "," ws num) ws] ")"
+///     type      := "type"   ws "(" ws [num ws "," ws num ws "," ws] string ws ")"
+///     navigate  := "navigate" ws "(" ws (string | word) ws ")"
+///     word      := (letter | digit | "_" | "-" | "/")+        -- at most max_text bytes
 ///     direction := "up" | "down" | "left" | "right"        -> (dx, dy) = (0,-1) (0,1) (-1,0) (1,0)
 ///     num       := ["+" | "-"] (digit+ ["." digit*] | "." digit+)   -- no exponent, inf or nan
 ///     string    := '"' (any byte but '"', '\' and control bytes | '\"' | '\\' | '\n' | '\t')* '"'
 ///
 /// Coordinates are pixels of the image (x to the right, y down). The text a model wrote is
-/// untrusted: everything outside the grammar, a number of more than `max_number_chars`
+/// untrusted: `scroll(dy)` is a scroll by (0, dy) at (0, 0); `type("t")` types at (0, 0) (the
+/// focused field); everything outside the grammar, a number of more than `max_number_chars`
 /// characters or beyond `max_coordinate` in magnitude, a string longer than `max_text` bytes,
 /// or an action longer than `max_length` bytes is a parse error with its reason and byte
 /// position — never an exception, a crash or undefined behaviour, and in time linear in the text.
@@ -38,14 +43,14 @@
 namespace unirl::rewards {
 
 /// The kind of an agent action.
-enum class action_type { click, scroll, type };
+enum class action_type { click, scroll, type, navigate };
 
 /// One parsed action: where, and what (a scroll's (dx, dy), a typed text).
 struct action {
   action_type type = action_type::click;
   double x = 0.0, y = 0.0;    // pixel coordinates
   double dx = 0.0, dy = 0.0;  // scroll only: direction or amount
-  std::string text;           // type only: the unescaped text
+  std::string text;           // type: the unescaped text; navigate: the page
 };
 
 /// What `parse_action` returns: the action, or why the text is not one.
@@ -66,7 +71,8 @@ struct action_limits {
   std::size_t max_text = 64;          // bytes of a type action's text, after unescaping
 };
 
-/// The action in canonical form (`click(12, 30)`, `scroll(3, 4, 0, 1)`, `type(1, 2, "a\"b")`);
+/// The action in canonical form (`click(12, 30)`, `scroll(3, 4, 0, 1)`, `type(1, 2, "a\"b")`,
+/// `navigate("shop")`);
 /// parse_action reads it back to the same action (numbers rounded to 6 decimals).
 inline std::string to_string(const action& a) {
   auto num = [](double v) {
@@ -77,22 +83,24 @@ inline std::string to_string(const action& a) {
     }
     return s == "-0" ? std::string("0") : s;
   };
-  std::string out;
+  auto quoted = [](const std::string& t) {
+    std::string q = "\"";
+    for (char c : t) {
+      if (c == '"' || c == '\\') q += '\\', q += c;
+      else if (c == '\n') q += "\\n";
+      else if (c == '\t') q += "\\t";
+      else q += c;
+    }
+    return q + "\"";
+  };
   switch (a.type) {
     case action_type::click: return "click(" + num(a.x) + ", " + num(a.y) + ")";
     case action_type::scroll:
       return "scroll(" + num(a.x) + ", " + num(a.y) + ", " + num(a.dx) + ", " + num(a.dy) + ")";
-    case action_type::type:
-      out = "type(" + num(a.x) + ", " + num(a.y) + ", \"";
-      for (char c : a.text) {
-        if (c == '"' || c == '\\') out += '\\', out += c;
-        else if (c == '\n') out += "\\n";
-        else if (c == '\t') out += "\\t";
-        else out += c;
-      }
-      return out + "\")";
+    case action_type::type: return "type(" + num(a.x) + ", " + num(a.y) + ", " + quoted(a.text) + ")";
+    case action_type::navigate: return "navigate(" + quoted(a.text) + ")";
   }
-  return out;
+  return {};
 }
 
 namespace detail {
@@ -111,20 +119,37 @@ class action_reader {
     if (match_word("click")) a.type = action_type::click;
     else if (match_word("scroll")) a.type = action_type::scroll;
     else if (match_word("type")) a.type = action_type::type;
-    else return fail("expected an action name (click, scroll or type)", name_at, quote(name_at));
+    else if (match_word("navigate")) a.type = action_type::navigate;
+    else return fail("expected an action name (click, scroll, type or navigate)", name_at, quote(name_at));
     skip_ws();
     if (!expect('(')) return error_;
-    if (!number(a.x) || !comma() || !number(a.y)) return error_;
-    if (a.type == action_type::scroll) {
-      if (!comma()) return error_;
+    skip_ws();
+    if (a.type == action_type::navigate) {
+      if (pos_ < s_.size() && s_[pos_] == '"') {
+        if (!string(a.text)) return error_;
+      } else if (!page(a.text)) return error_;
+    } else if (a.type == action_type::type && pos_ < s_.size() && s_[pos_] == '"') {
+      if (!string(a.text)) return error_;  // type("text"): the focused field
+    } else {
+      if (!number(a.x)) return error_;
       skip_ws();
-      if (match_word("up")) a.dy = -1;
-      else if (match_word("down")) a.dy = 1;
-      else if (match_word("left")) a.dx = -1;
-      else if (match_word("right")) a.dx = 1;
-      else if (!number(a.dx) || !comma() || !number(a.dy)) return error_;
-    } else if (a.type == action_type::type) {
-      if (!comma() || !string(a.text)) return error_;
+      if (a.type == action_type::scroll && pos_ < s_.size() && s_[pos_] == ')') {
+        a.dy = a.x;  // scroll(dy)
+        a.x = 0;
+      } else {
+        if (!comma() || !number(a.y)) return error_;
+        if (a.type == action_type::scroll) {
+          if (!comma()) return error_;
+          skip_ws();
+          if (match_word("up")) a.dy = -1;
+          else if (match_word("down")) a.dy = 1;
+          else if (match_word("left")) a.dx = -1;
+          else if (match_word("right")) a.dx = 1;
+          else if (!number(a.dx) || !comma() || !number(a.dy)) return error_;
+        } else if (a.type == action_type::type) {
+          if (!comma() || !string(a.text)) return error_;
+        }
+      }
     }
     skip_ws();
     if (!expect(')')) return error_;
@@ -252,6 +277,22 @@ class action_reader {
     (void)fail("unterminated text (no closing '\"')", start, "");
     return false;
   }
+  // A bare page name: letters, digits, '_', '-', '/' (at most max_text bytes).
+  bool page(std::string& out) {
+    const std::size_t start = pos_;
+    while (pos_ < s_.size() && (is_word(s_[pos_]) || s_[pos_] == '-' || s_[pos_] == '/')) {
+      if (out.size() >= lim_.max_text) {
+        (void)fail("the page name is longer than " + std::to_string(lim_.max_text) + " bytes", start, "");
+        return false;
+      }
+      out += s_[pos_++];
+    }
+    if (out.empty()) {
+      (void)fail("expected a page name", start, quote(start));
+      return false;
+    }
+    return true;
+  }
 
   // A short, printable excerpt of the text at `p` for error messages.
   std::string quote(std::size_t p) const {
@@ -300,7 +341,7 @@ inline action_parse find_action(std::string_view text, const action_limits& limi
   auto lower = [](char c) { return (c >= 'A' && c <= 'Z') ? static_cast<char>(c - 'A' + 'a') : c; };
   for (std::size_t i = 0; i < text.size(); ++i) {
     const char c = lower(text[i]);
-    if (c != 'c' && c != 's' && c != 't') continue;
+    if (c != 'c' && c != 's' && c != 't' && c != 'n') continue;
     if (i > 0) {
       const char p = lower(text[i - 1]);
       if ((p >= 'a' && p <= 'z') || (p >= '0' && p <= '9') || p == '_') continue;
@@ -318,7 +359,7 @@ inline action_parse find_action(std::string_view text, const action_limits& limi
   }
   if (first_error) return *first_error;
   action_parse none;
-  none.error = "no action (click, scroll or type) in the text";
+  none.error = "no action (click, scroll, type or navigate) in the text";
   return none;
 }
 

@@ -576,7 +576,7 @@ TEST_CASE("box_text writes canvas boxes as iou_reward reads them", "[cpu][reward
   CHECK(r[5] < 0.5f);
 }
 
-TEST_CASE("parse_action reads click / scroll / type and refuses malformed text with a reason", "[cpu][rewards][vlm]") {
+TEST_CASE("parse_action reads click / scroll / type / navigate and refuses malformed text with a reason", "[cpu][rewards][vlm]") {
   auto a = parse_action("click(12, 30)");
   REQUIRE(a);
   CHECK(a.action->type == action_type::click);
@@ -601,6 +601,24 @@ TEST_CASE("parse_action reads click / scroll / type and refuses malformed text w
   REQUIRE(a);
   CHECK(a.action->text == "say \"hi\"\\\n");
   CHECK(to_string(*a.action) == R"(type(0, 0, "say \"hi\"\\\n"))");
+  // Seed 003's short forms for a page agent: scroll(dy), type("text") into the focused field,
+  // navigate(page) with a bare or quoted page name; each reads back from its canonical form.
+  a = parse_action("scroll(-2)");
+  REQUIRE(a);
+  CHECK((a.action->type == action_type::scroll && a.action->x == 0.0 && a.action->dx == 0.0 && a.action->dy == -2.0));
+  CHECK(to_string(*a.action) == "scroll(0, 0, 0, -2)");
+  a = parse_action(R"(type( "42" ))");
+  REQUIRE(a);
+  CHECK((a.action->type == action_type::type && a.action->text == "42" && a.action->x == 0.0));
+  a = parse_action("Navigate( shop/cart )");
+  REQUIRE(a);
+  CHECK((a.action->type == action_type::navigate && a.action->text == "shop/cart"));
+  CHECK(to_string(*a.action) == R"(navigate("shop/cart"))");
+  a = parse_action(R"(navigate("my \"home\""))");
+  REQUIRE(a);
+  CHECK(a.action->text == "my \"home\"");
+  REQUIRE(parse_action(to_string(*a.action)));
+  CHECK(parse_action(to_string(*a.action)).action->text == a.action->text);
   // Malformed: each refused with the reason and where.
   const std::vector<std::pair<std::string, std::string>> bad{
       {"", "expected an action name"},
@@ -621,6 +639,12 @@ TEST_CASE("parse_action reads click / scroll / type and refuses malformed text w
       {"click(1, 2) and more", "unexpected text after the action"},
       {"scroll(1, 2, sideways)", "expected a number"},
       {"scroll(1, 2)", "expected ','"},
+      {"scroll()", "expected a number"},
+      {"navigate()", "expected a page name"},
+      {"navigate(shop page)", "expected ')'"},
+      {"navigate(" + std::string(80, 'p') + ")", "page name is longer than 64 bytes"},
+      {"navigate(1, 2)", "expected ')'"},
+      {"type(\"a\", 1)", "expected ')'"},
       {R"(type(1, 2, "abc))", "unterminated text"},
       {R"(type(1, 2, "a\qb"))", "unknown escape"},
       {"type(1, 2, \"a\x01\")", "control byte"},
@@ -641,6 +665,9 @@ TEST_CASE("parse_action reads click / scroll / type and refuses malformed text w
   auto f = find_action("The 7 is top left, so I click(12, 30). Then scroll(1, 2, up).");
   REQUIRE(f);
   CHECK((f.action->type == action_type::click && f.action->x == 12.0 && f.position == 24));
+  f = find_action("First, navigate(shop). Then click.");
+  REQUIRE(f);
+  CHECK((f.action->type == action_type::navigate && f.action->text == "shop" && f.position == 7));
   f = find_action("typing... then type(3, 4, \"ok\")");
   REQUIRE(f);
   CHECK((f.action->type == action_type::type && f.position == 15));

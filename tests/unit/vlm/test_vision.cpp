@@ -181,7 +181,7 @@ TEST_CASE("vlm: loaded CLIP and SigLIP towers and projectors equal the independe
         file.size() - 1);
 }
 
-TEST_CASE("vlm: images of different sizes packed in one sequence equal each image alone (fp64)", "[cpu][vlm]") {
+TEST_CASE("vlm: images of different sizes packed in one sequence, or of one size batched, equal each image alone (fp64)", "[cpu][vlm]") {
   torch::NoGradGuard ng;
   for (const bool siglip : {false, true}) {
     INFO((siglip ? "siglip" : "clip"));
@@ -197,6 +197,18 @@ TEST_CASE("vlm: images of different sizes packed in one sequence equal each imag
         const auto want = torch::cat(alone, 0);
         REQUIRE(packed.sizes() == want.sizes());
         CHECK(max_diff(packed, want) <= 1e-10);
+      }
+    // Images all of one size run as one batch (no block-diagonal mask): the same features.
+    const std::vector<torch::Tensor> same{torch::randn({3, 16, 12}, torch::kDouble), torch::randn({3, 16, 12}, torch::kDouble),
+                                          torch::randn({3, 16, 12}, torch::kDouble)};
+    for (const auto strategy : {vision::select_strategy::drop_first, vision::select_strategy::full})
+      for (const std::int64_t layer : {-2, 0, 2}) {
+        std::vector<torch::Tensor> alone;
+        for (const auto& im : same) alone.push_back(tower->features(im.unsqueeze(0), layer, strategy)[0]);
+        const auto want = torch::cat(alone, 0);
+        const auto batched = tower->features_packed(same, layer, strategy);
+        REQUIRE(batched.sizes() == want.sizes());
+        CHECK(max_diff(batched, want) <= 1e-10);
       }
     std::int64_t n = 0;
     for (const auto& im : imgs) n += tower->num_features(im.size(1), im.size(2));

@@ -274,6 +274,8 @@ class clip_vision_impl : public torch::nn::Cloneable<clip_vision_impl>, public l
   /// `features` of images of different sizes (each (C, H, W), or (1, C, H, W)) in ONE forward:
   /// their patch sequences are concatenated into one sequence whose attention is block-diagonal
   /// (no padding). Equal to `features` of each image alone, concatenated -> (sum n_i, hidden).
+  /// Images all of one size run as one batch instead (each its own row): the same result, with
+  /// attention linear in the number of images rather than quadratic in their total patches.
   torch::Tensor features_packed(const std::vector<torch::Tensor>& images, std::int64_t layer = -2,
                                 select_strategy strategy = select_strategy::drop_first) const {
     UNIRL_CHECK(!images.empty(), "vision::clip_vision::features_packed: no images: expected at least one");
@@ -289,6 +291,13 @@ class clip_vision_impl : public torch::nn::Cloneable<clip_vision_impl>, public l
       check_image(img.size(1), img.size(2), img.size(3), "image " + std::to_string(i));
       rows.push_back(embed(img));
       lengths.push_back(rows.back().size(1));
+    }
+    bool same = true;
+    for (const auto& r : rows) same = same && r.sizes() == rows.front().sizes();
+    if (same && rows.size() > 1) {  // one batch: (B, n, hidden), no mask
+      const auto x = run(torch::cat(rows, 0), torch::Tensor(), k);
+      const auto kept = strategy == select_strategy::full ? x : x.slice(1, 1);
+      return kept.reshape({-1, x.size(2)});
     }
     const auto& w = vision_model.ptr()->embeddings->patch_embedding->weight;
     const auto bias = images.size() == 1 ? torch::Tensor()
