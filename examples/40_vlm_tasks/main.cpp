@@ -41,6 +41,7 @@
 #include <unirl/rewards/actions.hpp>
 #include <unirl/rewards/rules.hpp>
 #include <unirl/rewards/weighted.hpp>
+#include <unirl/rollout/engine_sampler.hpp>
 #include <unirl/rollout/token_logprob.hpp>
 #include <unirl/rollout/token_sampler.hpp>
 #include <unirl/train/report.hpp>
@@ -78,6 +79,7 @@ struct vlm_tasks_options {
   std::int64_t group_size = 8;
   double rl_lr = -1;                   // -1: the task's default (vqa 1e-3, grounding 3e-4, agent 1e-4)
   double temperature = 1.0;
+  bool engine = true;                  // sample (GRPO and the greedy evaluations) on the rollout engine; false: the static batch
   double kl_coef = 0.0;                // > 0: a reference model (it shares the vision cache)
   double format_weight = -1;           // -1: the task's default (vqa 0.1, grounding 0.3)
   double rl_seconds = -1;              // stop GRPO after this many seconds (-1: the task's default: vqa and
@@ -91,7 +93,7 @@ struct vlm_tasks_options {
 BOOST_HANA_ADAPT_STRUCT(vlm_tasks_options, canvas, min_digits, max_digits, vqa_scale, patch, vision_hidden,
                         vision_layers, d_model, n_layer, n_head, heldout_digits, heldout, sft_lr, sft_batch,
                         sft_max_steps, eval_every, sft_seconds, sft_train_tower, band, rl_steps, prompts_per_step, group_size,
-                        rl_lr, temperature, kl_coef, format_weight, rl_seconds, rl_eval_every, grid, seed, threads, pretrained);
+                        rl_lr, temperature, engine, kl_coef, format_weight, rl_seconds, rl_eval_every, grid, seed, threads, pretrained);
 
 namespace {
 using clock_type = std::chrono::steady_clock;
@@ -181,9 +183,10 @@ struct task {
     }
     return in;
   }
+  bool engine = true;
   unirl::sampling_options sampling(double temperature) const {
     const std::int64_t n = kind == task_kind::vqa ? 3 : kind == task_kind::grounding ? 20 : 16;
-    return {.max_new_tokens = n, .temperature = temperature, .stop_tokens = {tok.id('\n')}};
+    return {.max_new_tokens = n, .temperature = temperature, .stop_tokens = {tok.id('\n')}, .engine = engine};
   }
   std::string figure_name() const {
     return kind == task_kind::vqa ? "accuracy" : kind == task_kind::grounding ? "mean IoU" : "click success";
@@ -221,7 +224,7 @@ evaluation evaluate(const vlm::vlm<unirl::models::gpt>& model, const task& t, st
     const std::vector<example> part(t.heldout.begin() + static_cast<std::ptrdiff_t>(at),
                                     t.heldout.begin() + static_cast<std::ptrdiff_t>(std::min(at + chunk, t.heldout.size())));
     model.images().clear();
-    const auto b = unirl::sample_tokens(model, t.prompts(part, model.images()), 1, s);
+    const auto b = unirl::rollout::sample_completions(model, t.prompts(part, model.images()), 1, s);
     formats.push_back(fmt(b));
     if (t.kind == task_kind::vqa) {
       std::vector<float> right;
@@ -281,6 +284,7 @@ int main(int argc, char** argv) try {
   UNIRL_CHECK(o.heldout_digits >= 10 && o.heldout_digits + 100 <= digits.images.size(0), "vlm_tasks: heldout_digits = ",
               o.heldout_digits, ": expected in [10, ", digits.images.size(0) - 100, "]");
   task t(kind, digits, o);
+  t.engine = o.engine;
   const double band = o.band >= 0 ? o.band : kind == task_kind::vqa ? 0.35 : kind == task_kind::grounding ? 0.30 : 0.15;
   const double rl_lr = o.rl_lr > 0 ? o.rl_lr : kind == task_kind::vqa ? 1e-3 : kind == task_kind::agent ? 1e-4 : 3e-4;
   const double rl_budget = o.rl_seconds >= 0 ? o.rl_seconds : kind == task_kind::agent ? 600.0 : 200.0;

@@ -16,6 +16,7 @@
 #include <unirl/agents/demonstration.hpp>
 #include <unirl/agents/episode_grpo.hpp>
 #include <unirl/agents/episode_ppo.hpp>
+#include <unirl/agents/image_observation.hpp>
 #include <unirl/agents/rollout.hpp>
 #include <unirl/agents/tool_call.hpp>
 #include <unirl/agents/toolbox.hpp>

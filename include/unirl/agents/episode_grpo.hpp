@@ -95,6 +95,8 @@ inline train::sft_batch sft_batch_of(const std::vector<trajectory>& episodes, st
 }
 
 /// Log-probs (and entropies) of tokens 1..L-1 of `b` under `model` at `temperature`: (B, L-1) each.
+/// Only the policy's tokens are targets (a context token's column reads token 0 in their place):
+/// the context may hold ids beyond the vocabulary, such as a VLM's image-slot ids.
 template <CausalLM M>
 std::pair<torch::Tensor, torch::Tensor> episode_logprob(const M& model, const episode_batch& b, double temperature,
                                                         bool with_entropy = true) {
@@ -103,7 +105,8 @@ std::pair<torch::Tensor, torch::Tensor> episode_logprob(const M& model, const ep
   const auto L = b.ids.size(1);
   const auto ids = b.ids.to(dev), mask = b.mask.to(dev);
   const auto logits = model.logits(ids.slice(1, 0, L - 1), mask.slice(1, 0, L - 1));
-  return rollout::token_logprob(logits, ids.slice(1, 1, L), temperature, with_entropy);
+  const auto targets = ids.slice(1, 1, L).masked_fill(b.policy_mask.to(dev) == 0, 0);
+  return rollout::token_logprob(logits, targets, temperature, with_entropy);
 }
 
 namespace detail {

@@ -25,6 +25,9 @@
 /// `max_turns` policy turns and `max_episode_tokens` tokens per episode. The tokens of the
 /// template's markers around a reply are context (not trained), except those the policy sampled.
 /// `lockstep` is the baseline without overlap: no sequence decodes while any tool call runs.
+/// An environment that shows images (`image_observation`, `image_step`) needs a vision-language
+/// policy (one with an image table, `images()`): each image is registered once and its
+/// image-slot ids take its marker's place; `stats["images"]` counts them.
 #include <algorithm>
 #include <array>
 #include <chrono>
@@ -41,6 +44,7 @@
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
+#include <unirl/agents/image_observation.hpp>
 #include <unirl/agents/toolbox.hpp>
 #include <unirl/agents/trajectory.hpp>
 #include <unirl/concepts/causal_lm.hpp>
@@ -106,6 +110,13 @@ inline bool ends_with(const std::string& text, const std::string& tail) {
   return text.size() >= tail.size() && text.compare(text.size() - tail.size(), tail.size(), tail) == 0;
 }
 // The turn's end-of-turn marker without a trailing newline (`<|im_end|>`): what the model writes.
+// The images an observation shows (none for a `text_observation`).
+template <class O>
+const std::vector<torch::Tensor>& images_of(const O& o) {
+  static const std::vector<torch::Tensor> none;
+  if constexpr (requires { o.images; }) return o.images;
+  else return none;
+}
 inline std::string turn_stop(tokenizers::chat_format f) {
   auto s = tokenizers::assistant_turn_end(f);
   if (f != tokenizers::chat_format::plain)
@@ -152,10 +163,24 @@ episodes_result run_episodes(const M& model, const E& env, const std::vector<std
   std::vector<std::string> stops{stop_text};
   if constexpr (has_tools)
     if (o.stop_at_tool_call) stops.push_back(std::string(tool_call_close));
-  std::int64_t encode_calls = 0;
-  auto encode = [&](const std::string& s) {
+  std::int64_t encode_calls = 0, images_shown = 0;
+  auto encode_text = [&](const std::string& s) {
     ++encode_calls;
     return text.encode(s);
+  };
+  // Context text with its images (`encode_with_images`): the text between markers tokenized once
+  // each, every image registered in the policy's table once, its image-slot ids in its marker's place.
+  auto encode = [&](const std::string& s, const std::vector<torch::Tensor>& images) -> std::vector<std::int64_t> {
+    if (images.empty()) return encode_text(s);
+    if constexpr (requires { model.images().add(images.front()); }) {
+      auto ids = encode_with_images(model, encode_text, s, images);
+      images_shown += static_cast<std::int64_t>(images.size());
+      return ids;
+    } else {
+      throw ::unirl::error("unirl: run_episodes: the environment shows " + std::to_string(images.size()) +
+                           " image(s), but the policy has no image table (images()): expected a vision-language "
+                           "model (models::vlm::vlm)");
+    }
   };
   const auto ctx = static_cast<std::int64_t>(model.max_length());
   auto turn_limit = [&](std::int64_t len) {
@@ -166,14 +191,18 @@ episodes_result run_episodes(const M& model, const E& env, const std::vector<std
     std::vector<std::int64_t> prompt;
     for (std::int64_t g = 0; g < group; ++g) {
       envs.push_back(env);
-      const text_observation first = envs.back().reset(seeds[static_cast<std::size_t>(i)]);
+      const auto first = envs.back().reset(seeds[static_cast<std::size_t>(i)]);
       if (g > 0) continue;
-      if (!first.tokens.empty()) prompt = first.tokens;
-      else {
+      const auto& images = detail::images_of(first);
+      if (!first.tokens.empty()) {
+        UNIRL_CHECK(images.empty(), "run_episodes: task ", i, "'s first observation has token ids and ", images.size(),
+                    " image(s); images go with text (their markers say where)");
+        prompt = first.tokens;
+      } else {
         std::vector<tokenizers::chat_message> msgs;
         if (!o.system.empty()) msgs.push_back({"system", o.system});
         msgs.push_back({"user", first.text});
-        prompt = encode(tokenizers::apply_chat_template(f, msgs, true, defs));
+        prompt = encode(tokenizers::apply_chat_template(f, msgs, true, defs), images);
       }
     }
     const auto limit = turn_limit(static_cast<std::int64_t>(prompt.size()));
@@ -204,10 +233,10 @@ episodes_result run_episodes(const M& model, const E& env, const std::vector<std
     ++finished;
   };
   // Appends `cont` (context text) and resumes episode e, or ends it at a limit.
-  auto continue_with = [&](std::int64_t e, const std::string& cont) {
+  auto continue_with = [&](std::int64_t e, const std::string& cont, const std::vector<torch::Tensor>& images) {
     auto& t = eps[static_cast<std::size_t>(e)];
     if (t.turns() >= o.max_turns) return finish(e, episode_end::max_turns, true);
-    const auto ids = encode(cont);
+    const auto ids = encode(cont, images);
     const auto limit = turn_limit(t.size() + static_cast<std::int64_t>(ids.size()));
     if (limit < 1) return finish(e, episode_end::max_tokens, true);
     t.append_context(ids);
@@ -243,13 +272,16 @@ episodes_result run_episodes(const M& model, const E& env, const std::vector<std
       }
       return;
     }
-    const text_step st = envs[static_cast<std::size_t>(e)].step(content);
+    const auto st = envs[static_cast<std::size_t>(e)].step(content);
+    const auto& images = detail::images_of(st.observation);
     t.end_turn(st.reward, said);
     if (!open) return finish(e, r.reason == rollout::finish_reason::length ? episode_end::max_tokens
                                                                            : episode_end::stop_token,
                              false);
     if (st.done) return finish(e, episode_end::done, true);
     if (!st.observation.tokens.empty()) {
+      UNIRL_CHECK(images.empty(), "run_episodes: an observation has token ids and ", images.size(),
+                  " image(s); images go with text (their markers say where)");
       if (t.turns() >= o.max_turns) return finish(e, episode_end::max_turns, true);
       const auto limit = turn_limit(t.size() + static_cast<std::int64_t>(st.observation.tokens.size()));
       if (limit < 1) return finish(e, episode_end::max_tokens, true);
@@ -257,7 +289,7 @@ episodes_result run_episodes(const M& model, const E& env, const std::vector<std
       eng.resume(seq_of[static_cast<std::size_t>(e)], st.observation.tokens, limit);
       return;
     }
-    continue_with(e, continuation(said, {{"user", st.observation.text}}));
+    continue_with(e, continuation(said, {{"user", st.observation.text}}), images);
   };
 
   auto poll = [&] {
@@ -276,7 +308,7 @@ episodes_result run_episodes(const M& model, const E& env, const std::vector<std
       std::vector<tokenizers::chat_message> replies;
       for (auto& x : p.turn.replies()) replies.push_back({"tool", std::move(x)});
       const auto& said = eps[static_cast<std::size_t>(p.episode)].turn_texts.back();
-      continue_with(p.episode, continuation(said, replies));
+      continue_with(p.episode, continuation(said, replies), {});
     }
   };
 
@@ -321,6 +353,7 @@ episodes_result run_episodes(const M& model, const E& env, const std::vector<std
   out.stats["policy_tokens"] = policy_tokens;
   out.stats["tokens"] = tokens;
   out.stats["encode_calls"] = static_cast<double>(encode_calls);
+  out.stats["images"] = static_cast<double>(images_shown);
   out.stats["engine_steps"] = static_cast<double>(eng.stats().steps);
   out.stats["seconds"] = secs;
   out.stats["episodes_per_second"] = secs > 0 ? n / secs : 0.0;

@@ -102,22 +102,17 @@ torch::Tensor chunked_logprob(const M& model, const token_rollout& batch, double
 template <CausalLM M>
 token_rollout draw_completions(const M& model, const prompt_batch& input, const step_info& info,
                                const sampling_options& s) {
-  if constexpr (PagedCausalLM<M>) {
-    if (s.engine) {
-      rollout::engine_summary sum;
-      auto batch = rollout::sample_tokens_engine(model, input, info.group_size, s, info.device, {}, &sum);
-      if (info.extra) {  // summed over a step's draws (dynamic sampling draws again), peaks the largest
-        auto& x = *info.extra;
-        x["engine/steps"] += static_cast<double>(sum.steps);
-        x["engine/prefix_hit_tokens"] += static_cast<double>(sum.prefix_hit_tokens);
-        x["engine/preemptions"] += static_cast<double>(sum.preemptions);
-        x["engine/peak_blocks"] = std::max(x["engine/peak_blocks"], static_cast<double>(sum.peak_blocks));
-        x["engine/peak_kv_bytes"] = std::max(x["engine/peak_kv_bytes"], static_cast<double>(sum.peak_kv_bytes));
-      }
-      return batch;
-    }
+  rollout::engine_summary sum;
+  auto batch = rollout::sample_completions(model, input, info.group_size, s, info.device, &sum);
+  if (sum.steps > 0 && info.extra) {  // summed over a step's draws (dynamic sampling draws again), peaks the largest
+    auto& x = *info.extra;
+    x["engine/steps"] += static_cast<double>(sum.steps);
+    x["engine/prefix_hit_tokens"] += static_cast<double>(sum.prefix_hit_tokens);
+    x["engine/preemptions"] += static_cast<double>(sum.preemptions);
+    x["engine/peak_blocks"] = std::max(x["engine/peak_blocks"], static_cast<double>(sum.peak_blocks));
+    x["engine/peak_kv_bytes"] = std::max(x["engine/peak_kv_bytes"], static_cast<double>(sum.peak_kv_bytes));
   }
-  return sample_tokens(model, input, info.group_size, s, info.device);
+  return batch;
 }
 
 /// Samples `info.group_size` completions per prompt with the policy, then (optionally) replaces

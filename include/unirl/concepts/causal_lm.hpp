@@ -105,6 +105,11 @@ struct paged_batch {
   std::vector<chunk> chunks;  // the sequences with more than one row
   torch::Tensor output_rows;  // (R,) int64 rows whose outputs are returned; undefined: all N
   std::int64_t max_position = -1;  // the largest position (known on the host: no device read)
+  // On the host, the same N rows: the ids, and each token's index in its run of equal ids within
+  // its sequence (0 after a different id; a run goes on across chunks, steps and shared prefix
+  // blocks). A model whose inputs are runs of ids (image-slot ids, models/vlm) reads them here
+  // without a device read.
+  std::vector<std::int64_t> host_ids, run_index;
 
   std::int64_t tokens() const { return ids.defined() ? ids.size(0) : 0; }
 };

@@ -304,13 +304,21 @@ class gpt_net_impl : public torch::nn::Cloneable<gpt_net_impl>, public lora::ada
   /// The paged forward (`PagedCausalLM`): the packed tokens of `b` -> (R, out) outputs of
   /// `b.output_rows` (all N when undefined). Positions are checked on the host (`b.max_position`).
   torch::Tensor forward_paged(const paged_batch& b, paged_kv& kv) {
-    UNIRL_CHECK(b.ids.defined() && b.ids.dim() == 1 && b.positions.sizes() == b.ids.sizes(),
-                "gpt: paged ids and positions must be (N,) int64 each");
+    UNIRL_CHECK(b.ids.defined() && b.ids.dim() == 1, "gpt: paged ids must be (N,) int64");
+    torch::NoGradGuard ng;
+    return forward_paged_from_embeddings(tok(b.ids), b, kv);
+  }
+  /// `forward_paged` from input embeddings x (N, D) of the batch's rows instead of its ids.
+  torch::Tensor forward_paged_from_embeddings(const torch::Tensor& x0, const paged_batch& b, paged_kv& kv) {
+    UNIRL_CHECK(b.positions.defined() && b.positions.dim() == 1 && x0.dim() == 2 && x0.size(0) == b.positions.size(0) &&
+                    x0.size(1) == o_.d_model,
+                "gpt: paged embeddings must be (N, d_model = ", o_.d_model, ") with (N,) positions, got sizes ",
+                x0.sizes());
     UNIRL_CHECK(b.max_position < o_.max_len, "gpt: position ", b.max_position, " is past max_len = ", o_.max_len);
     UNIRL_CHECK(static_cast<std::int64_t>(kv.k.size()) == o_.n_layer, "gpt: the paged pool has ", kv.k.size(),
                 " layers; the model ", o_.n_layer);
     torch::NoGradGuard ng;
-    auto x = tok(b.ids) + pos(b.positions);
+    auto x = x0 + pos(b.positions);
     std::size_t l = 0;
     for (const auto& blk : *blocks) {
       x = blk->as<gpt_block_impl>()->forward_paged(x, b, kv.k[l], kv.v[l]);
@@ -445,6 +453,10 @@ struct gpt : module_adapter<gpt, gpt_net> {
   paged_kv make_paged_kv(std::int64_t slots) const { return net_->make_paged_kv(slots); }
   /// Logits (R, V) of the packed batch's output rows over the paged cache (`PagedCausalLM`).
   torch::Tensor logits_paged(const paged_batch& b, paged_kv& kv) const { return net_.ptr()->forward_paged(b, kv); }
+  /// `logits_paged` from input embeddings x (N, d_model) of the batch's rows (models/vlm).
+  torch::Tensor logits_paged_from_embeddings(const torch::Tensor& x, const paged_batch& b, paged_kv& kv) const {
+    return net_.ptr()->forward_paged_from_embeddings(x, b, kv);
+  }
 
   /// Input embeddings (B, L, d_model) of ids (B, L); the `*_from_embeddings` forwards take them
   /// (or any other embeddings, e.g. with image features in some rows: models/vlm) in place of

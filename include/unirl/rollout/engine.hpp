@@ -216,7 +216,9 @@ class engine {
     std::int64_t row = 0;
     for (auto& [s, n] : chosen) {
       const auto b = s->tokens.begin() + s->computed;
-      specs.push_back({std::vector<std::int64_t>(b, b + n), s->computed, &s->table});
+      std::int64_t lead = 0;  // equal ids right before the chunk (runs of image-slot ids, paged_batch::run_index)
+      for (auto p = s->computed - 1; p >= 0 && s->tokens[static_cast<std::size_t>(p)] == *b; --p) ++lead;
+      specs.push_back({std::vector<std::int64_t>(b, b + n), s->computed, &s->table, lead});
       row += n;
       (n == 1 ? stats_.decode_tokens : stats_.prefill_tokens) += n;
       if (s->computed + n == static_cast<std::int64_t>(s->tokens.size())) {
@@ -262,10 +264,19 @@ class engine {
     bool cacheable = true;  // false once the weights changed under it: its blocks hold old keys
   };
 
+  // Input ids are in [0, vocab_size), or [0, input_vocab_size()) for a model that takes more
+  // ids than it predicts (a VLM's image-slot ids).
   void check_ids(const std::vector<std::int64_t>& ids, const char* what) const {
-    const auto V = model_.vocab_size();
-    for (const auto t : ids)
-      UNIRL_CHECK(t >= 0 && t < V, "engine: ", what, " token id ", t, " is outside [0, vocab_size = ", V, ")");
+    if constexpr (requires { model_.input_vocab_size(); }) {
+      const auto V = model_.input_vocab_size();
+      for (const auto t : ids)
+        UNIRL_CHECK(t >= 0 && t < V, "engine: ", what, " token id ", t, " is outside [0, input_vocab_size = ", V,
+                    ") (the vocabulary, then the ids of the images registered)");
+    } else {
+      const auto V = model_.vocab_size();
+      for (const auto t : ids)
+        UNIRL_CHECK(t >= 0 && t < V, "engine: ", what, " token id ", t, " is outside [0, vocab_size = ", V, ")");
+    }
   }
   void check_fits(std::int64_t tokens, std::int64_t max_new) const {
     const auto ctx = static_cast<std::int64_t>(model_.max_length());

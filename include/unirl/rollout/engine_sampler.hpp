@@ -121,4 +121,20 @@ token_rollout sample_tokens_engine(const M& model, const prompt_batch& in, std::
   return r;
 }
 
+/// Completions the way the trainers draw them: through the engine when `s.engine` (the default)
+/// and the model is a `PagedCausalLM` (chosen at compile time), else the static batch of
+/// `sample_tokens`. Evaluations use it too, so a greedy held-out figure (`top_k = 1`) comes from
+/// the path the training samples came from. `summary` receives the engine's figures (zeros on
+/// the static path). Call under `torch::NoGradGuard`.
+template <CausalLM M>
+token_rollout sample_completions(const M& model, const prompt_batch& in, std::int64_t group_size,
+                                 const sampling_options& s, torch::Device device = torch::kCPU,
+                                 engine_summary* summary = nullptr) {
+  if (summary) *summary = {};
+  if constexpr (PagedCausalLM<M>) {
+    if (s.engine) return sample_tokens_engine(model, in, group_size, s, device, {}, summary);
+  }
+  return sample_tokens(model, in, group_size, s, device);
+}
+
 }  // namespace unirl::rollout

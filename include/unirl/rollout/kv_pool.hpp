@@ -151,6 +151,7 @@ struct paged_chunk_spec {
   std::vector<std::int64_t> ids;
   std::int64_t start = 0;
   const std::vector<std::int32_t>* table = nullptr;
+  std::int64_t lead = 0;  // how many ids equal to ids[0] come right before the chunk in its sequence
 };
 
 /// The `paged_batch` of one step: the chunks' tokens packed in order, their write slots and
@@ -172,7 +173,9 @@ inline paged_batch make_paged_batch(const std::vector<paged_chunk_spec>& chunks,
                 "make_paged_batch: a chunk of ", n, " tokens at ", c.start, " without blocks for them");
     const auto row = static_cast<std::int64_t>(ids.size());
     for (std::int64_t j = 0; j < n; ++j) {
-      ids.push_back(c.ids[static_cast<std::size_t>(j)]);
+      const auto id = c.ids[static_cast<std::size_t>(j)];
+      b.run_index.push_back(j == 0 ? c.lead : (id == c.ids[static_cast<std::size_t>(j - 1)] ? b.run_index.back() + 1 : 0));
+      ids.push_back(id);
       pos.push_back(c.start + j);
       write.push_back(slot(*c.table, c.start + j));
     }
@@ -193,6 +196,7 @@ inline paged_batch make_paged_batch(const std::vector<paged_chunk_spec>& chunks,
     b.chunks.push_back({row, n, ctx, torch::tensor(cs, i64).to(device), bias.view({1, 1, n, ctx}).to(device)});
   }
   b.ids = torch::tensor(ids, i64).to(device);
+  b.host_ids = ids;
   b.positions = torch::tensor(pos, i64).to(device);
   b.write_slots = torch::tensor(write, i64).to(device);
   if (!decoders.empty()) {

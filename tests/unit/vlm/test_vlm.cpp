@@ -1,7 +1,9 @@
 // The VLM adapter (include/unirl/models/vlm/): image-slot tokens against the independent LLaVA
 // fixture (tests/fixtures/vlm), the vision-feature cache (encoded once per step, equal to
 // recomputing), its place in the trainer (GRPO, PPO's critic, the reference, parameter groups),
-// and the language models' embeddings entry points it runs on.
+// the language models' embeddings entry points it runs on, the rollout engine's paged forward
+// (image runs split across prefill chunks, steps and shared prefix blocks), and multi-turn
+// episodes whose observations show images (each encoded once over the rollout and the update).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -14,6 +16,9 @@
 #include <torch/torch.h>
 
 #include <unirl/io/safetensors.hpp>
+#include <unirl/models/char_tokenizer.hpp>
+#include <unirl/multi_turn.hpp>
+#include <unirl/rollout/engine.hpp>
 #include <unirl/train/sft.hpp>
 #include <unirl/vlm.hpp>
 
@@ -123,6 +128,49 @@ TEST_CASE("vlm: logits equal the independent LLaVA implementation's, image token
     CHECK(max_abs_diff(model.logits_cached(slot_ids, mask, cache), want) < 1e-5);
     CHECK(model.vision_tower_calls() == 2);  // each image encoded once for all four forwards
     CHECK(model.images().counts().reused == 6);
+    // The rollout engine's paged forward (a Hugging Face language model): each row in two chunks
+    // split inside its run of image-slot ids, over scattered blocks, equals the reference.
+    torch::NoGradGuard ng;
+    const std::int64_t bs = 4;
+    rollout::block_pool pool{256, bs};
+    auto kv = model.make_paged_kv(pool.blocks() * bs);
+    std::vector<std::int32_t> scratch;
+    pool.grow(scratch, 30);
+    std::vector<std::vector<std::int32_t>> tables(rows.size());
+    std::vector<std::vector<std::int64_t>> real(rows.size());
+    std::vector<std::int64_t> split(rows.size());
+    for (std::size_t b = 0; b < rows.size(); ++b) {
+      for (std::int64_t j = 0; j < L; ++j)
+        if (mask[static_cast<std::int64_t>(b)][j].item<double>() > 0) real[b].push_back(rows[b][static_cast<std::size_t>(j)]);
+      const auto first_image = std::find_if(real[b].begin(), real[b].end(), [&](auto t) { return t >= model.vocab_size(); });
+      REQUIRE(first_image != real[b].end());
+      split[b] = (first_image - real[b].begin()) + 3;  // three rows into the image
+      REQUIRE(split[b] < static_cast<std::int64_t>(real[b].size()));
+    }
+    pool.release(scratch);
+    std::vector<torch::Tensor> got(rows.size());
+    for (int step = 0; step < 2; ++step) {
+      std::vector<rollout::paged_chunk_spec> specs;
+      for (std::size_t b = 0; b < rows.size(); ++b) {
+        const auto lo = step == 0 ? 0 : split[b], hi = step == 0 ? split[b] : static_cast<std::int64_t>(real[b].size());
+        REQUIRE(pool.grow(tables[b], hi));
+        specs.push_back({std::vector<std::int64_t>(real[b].begin() + lo, real[b].begin() + hi), lo, &tables[b],
+                         step == 0 ? 0 : 3});
+      }
+      const auto batch = rollout::make_paged_batch(specs, bs, {}, torch::kCPU);
+      const auto out = model.logits_paged(batch, kv);
+      std::int64_t at = 0;
+      for (std::size_t b = 0; b < rows.size(); ++b) {
+        const auto n = static_cast<std::int64_t>(specs[b].ids.size());
+        got[b] = step == 0 ? out.slice(0, at, at + n) : torch::cat({got[b], out.slice(0, at, at + n)});
+        at += n;
+      }
+    }
+    for (std::size_t b = 0; b < rows.size(); ++b) {
+      const auto cols = torch::nonzero(mask[static_cast<std::int64_t>(b)] > 0).squeeze(1);
+      CHECK(max_abs_diff(got[b], want[static_cast<std::int64_t>(b)].index_select(0, cols)) < 1e-5);
+    }
+    CHECK(model.vision_tower_calls() == 2);  // the paged forward reads the same cache
   }
 }
 
@@ -416,4 +464,207 @@ TEST_CASE("vlm: bad image-slot ids are errors naming the id", "[cpu][vlm]") {
   model.images().clear();
   const auto [ids, mask] = ones(cat({{1}, s0}));
   CHECK_THROWS_WITH(model.logits(ids, mask), Catch::Contains("table holds 0 image(s)"));
+}
+
+namespace {
+// logits() over one whole sequence: (L, V).
+torch::Tensor whole_logits(const small_vlm& m, const std::vector<std::int64_t>& ids) {
+  const auto t = torch::tensor(ids, torch::kInt64).unsqueeze(0);
+  return m.logits(t, torch::ones({1, t.size(1)})).squeeze(0);
+}
+}  // namespace
+
+TEST_CASE("vlm: logits through the rollout engine equal logits() - image runs split across prefill chunks, steps "
+          "and shared prefix blocks; each image encoded once", "[cpu][vlm][engine]") {
+  for (const auto dt : {torch::kFloat, torch::kDouble}) {
+    INFO((dt == torch::kDouble ? "float64" : "float32"));
+    torch::manual_seed(11);
+    auto model = tiny_vlm(/*freeze=*/true, 96);
+    model.net()->to(dt);
+    model.train(false);
+    const auto V = model.vocab_size();
+    const auto a = model.images().add(torch::rand({3, 16, 16}));  // 16 rows each
+    const auto b = model.images().add(torch::rand({3, 16, 16}));
+    const auto c = model.images().add(torch::rand({3, 12, 8}));   // 6 rows
+    REQUIRE(model.input_vocab_size() == V + 3);
+    // Prompts of mixed lengths; the first two share a prefix of 19 tokens. The second is submitted
+    // after the others ran: the prefix cache serves 4 full blocks of 4, so its prefill starts at
+    // position 16, inside image a's run (positions 2 to 17).
+    std::vector<rollout::request> reqs;
+    const std::vector<std::vector<std::int64_t>> prompts{cat({{1, 2}, a, {3, 4}, c, {5}}), cat({{1, 2}, a, {3, 9}}),
+                                                         cat({{6}, b, {7}, a, {8}}), cat({c, {2}})};
+    for (std::size_t i = 0; i < prompts.size(); ++i)
+      reqs.push_back({.prompt = prompts[i],
+                      .sampling = {.max_new_tokens = 4 + static_cast<std::int64_t>(i), .stop_tokens = {0}},
+                      .seed = 100 + i, .n = i % 2 == 0 ? 3 : 1});
+    const double tol = dt == torch::kDouble ? 1e-10 : 1e-5;
+    for (const std::int64_t budget : {5, 7, 128}) {
+      INFO("max_batch_tokens = " << budget);
+      rollout::engine eng{model, {.block_size = 4, .kv_tokens = 1024, .max_sequences = 8, .max_batch_tokens = budget,
+                                  .keep_logits = true}};
+      std::map<std::int64_t, std::size_t> req_of;  // submit id -> request
+      for (const std::size_t i : {0, 2, 3}) req_of[eng.submit(reqs[i])] = i;
+      auto results = eng.run();
+      req_of[eng.submit(reqs[1])] = 1;
+      for (auto& r : eng.run()) results.push_back(std::move(r));
+      REQUIRE(results.size() == 8);
+      for (const auto& r : results) {
+        auto seq = reqs[req_of.at(r.request)].prompt;
+        const auto P = static_cast<std::int64_t>(seq.size());
+        const auto T = static_cast<std::int64_t>(r.tokens.size());
+        for (const auto t : r.tokens) CHECK((t >= 0 && t < V));  // sampled from the text vocabulary
+        seq.insert(seq.end(), r.tokens.begin(), r.tokens.end());
+        const auto ref = whole_logits(model, seq).slice(0, P - 1, P - 1 + T);
+        REQUIRE(r.logits.defined());
+        CHECK(max_abs_diff(r.logits, ref) < tol);
+        const auto lsm = torch::log_softmax(ref.to(torch::kDouble), -1);
+        for (std::int64_t t = 0; t < T; ++t)
+          CHECK(std::abs(r.logp[static_cast<std::size_t>(t)] -
+                         lsm[t][r.tokens[static_cast<std::size_t>(t)]].item<double>()) < 10 * tol);
+      }
+      CHECK(eng.stats().prefix_hit_tokens == 16);  // the shared prefix's 4 full blocks
+      CHECK(eng.stats().used_blocks == 0);
+    }
+    // Three images, each encoded once: the engine's chunks and every reference forward reuse them.
+    CHECK(model.vision_tower_calls() == 3);
+  }
+}
+
+TEST_CASE("vlm: the engine names an unregistered image-slot id in a request; GRPO samples a VLM on the engine",
+          "[cpu][vlm][engine][trainer]") {
+  auto model = tiny_vlm();
+  const auto V = model.vocab_size();
+  const auto s0 = model.images().add(torch::rand({3, 16, 16}));
+  rollout::engine eng{model, {.block_size = 4, .kv_tokens = 256}};
+  CHECK_THROWS_WITH(eng.submit({.prompt = {1, V + 1, 2}}),
+                    Catch::Contains("prompt token id " + std::to_string(V + 1)) &&
+                        Catch::Contains("input_vocab_size = " + std::to_string(V + 1)));
+  CHECK_NOTHROW(eng.submit({.prompt = cat({{1}, s0, {2}}), .sampling = {.max_new_tokens = 2}}));
+  // The trainer's default sampler is the engine for a VLM too (its figures in the statistics).
+  using grpo_trainer = trainer<small_vlm, algo::grpo<>, count_ones>;
+  grpo_trainer t{model, count_ones{},
+                 {.algorithm = {.sampling = {.max_new_tokens = 4}}, .optim = {.lr = 1e-3}, .group_size = 4,
+                  .progress = false}};
+  const auto st = t.step(three_image_prompts(model, 5));
+  CHECK(st.extra.at("engine/steps") >= 4.0);
+  CHECK(st.extra.at("engine/peak_blocks") >= 3.0);
+  CHECK(st.extra.at("vision_tower_calls") == 3.0);
+}
+
+namespace {
+// Three screens per episode: the first with the task, one after each of the first two turns; a
+// turn scores 0.5 when it says "3". The screens are drawn from the seed and the turn.
+struct screens_env {
+  std::uint64_t seed = 0;
+  int turn = 0;
+  static torch::Tensor screen(std::uint64_t seed, int turn) {
+    auto g = at::detail::createCPUGenerator(seed * 10 + static_cast<std::uint64_t>(turn));
+    return torch::rand({3, 16, 16}, g);
+  }
+  agents::image_observation reset(std::uint64_t s) {
+    seed = s;
+    turn = 0;
+    return {.text = "Find the 3.\n<image>", .images = {screen(s, 0)}};
+  }
+  agents::image_step step(const std::string& action) {
+    ++turn;
+    return {.observation = {.text = "Now:<image>", .images = {screen(seed, turn)}},
+            .reward = action.find('3') != std::string::npos ? 0.5 : 0.0, .done = turn == 3};
+  }
+};
+static_assert(TextEnvironment<screens_env>);
+// The same, with a marker and no image (or an image and no marker).
+struct mismatched_env : screens_env {
+  bool extra_marker = true;
+  agents::image_observation reset(std::uint64_t s) {
+    auto o = screens_env::reset(s);
+    if (extra_marker) o.text += "<image>";
+    else o.images.push_back(screen(s, 9));
+    return o;
+  }
+};
+}  // namespace
+
+TEST_CASE("vlm: multi-turn episodes whose observations show images - slot ids at the markers, resumed logits equal "
+          "a full forward, each screen encoded once over the rollout and the update", "[cpu][vlm][agents]") {
+  std::string alphabet = "\n";
+  for (char ch = 32; ch < 127; ++ch) alphabet += ch;
+  const models::char_tokenizer tok{alphabet};
+  torch::manual_seed(21);
+  auto model = vlm::make_small({.vocab_size = tok.vocab_size(), .max_len = 320, .n_layer = 2, .n_head = 2,
+                                .d_model = 32, .image_size = 16, .patch_size = 4, .vision_hidden = 32,
+                                .vision_layers = 1, .vision_heads = 4, .vision_intermediate = 64});
+  model.net()->to(torch::kDouble);
+  model.train(false);
+  {
+    // Turns end soon ("\n\n" ends a plain turn) and never write the padding id: a constant
+    // feature (the final norm's bias) that the head reads only for those two ids.
+    torch::NoGradGuard ng;
+    auto& lm = model.net()->language_model;
+    lm->ln_f->bias.zero_();
+    lm->ln_f->bias[0] = 10.0;
+    lm->head->weight.select(1, 0).zero_();
+    lm->head->weight[tok.encode("\n").front()][0] = 0.4;
+    lm->head->weight[tok.pad_id()][0] = -3.0;
+  }
+  const agents::agent_text io{.encode = [&](const std::string& s) { return tok.encode(s); },
+                              .decode = [&](const std::vector<std::int64_t>& ids) { return tok.decode(ids); }};
+  const agents::agent_options ao{.format = tokenizers::chat_format::plain, .max_turns = 4, .max_turn_tokens = 8,
+                                 .max_episode_tokens = 300,
+                                 .engine = {.block_size = 8, .max_sequences = 4, .max_batch_tokens = 20,
+                                            .keep_logits = true}};
+  const auto V = model.vocab_size();
+  agents::episodes_result out;
+  {
+    torch::NoGradGuard ng;
+    torch::manual_seed(5);
+    out = agents::run_episodes(model, screens_env{}, {1, 2}, /*group=*/3, io, ao);
+  }
+  REQUIRE(out.episodes.size() == 6);
+  // One first screen per task (its group shares the prompt), then one per continued turn.
+  std::int64_t expected_images = 2, multi = 0;
+  for (const auto& t : out.episodes) expected_images += t.turns() - 1, multi += t.turns() > 1;
+  CHECK(multi > 0);
+  CHECK(out.stats.at("images") == static_cast<double>(expected_images));
+  CHECK(model.images().size() == expected_images);
+  CHECK(model.vision_tower_calls() == expected_images);  // the engine's chunks encoded each once
+  for (const auto& t : out.episodes) {
+    // Image-slot ids: context only, in runs of 16 (one run per screen shown), none sampled.
+    std::int64_t image_ids = 0;
+    for (std::size_t j = 0; j < t.tokens.size(); ++j)
+      if (t.tokens[j] >= V) {
+        ++image_ids;
+        CHECK(t.policy[j] == 0);
+      }
+    CHECK(image_ids == 16 * t.turns());
+    // The policy's kept logits and log-probs against one forward over the whole trajectory.
+    torch::NoGradGuard ng;
+    const auto ids = torch::tensor(t.tokens, torch::kInt64).unsqueeze(0);
+    const auto full = model.logits(ids, torch::ones({1, ids.size(1)})).squeeze(0);
+    std::vector<std::int64_t> rows;
+    for (std::size_t j = 1; j < t.tokens.size(); ++j)
+      if (t.policy[j]) rows.push_back(static_cast<std::int64_t>(j) - 1);
+    const auto ref = full.index_select(0, torch::tensor(rows, torch::kInt64));
+    CHECK(max_abs_diff(torch::cat(t.logits, 0), ref) < 1e-9);
+    const auto lsm = torch::log_softmax(ref, -1);
+    for (std::size_t k = 0, j = 1; j < t.tokens.size(); ++j)
+      if (t.policy[j]) CHECK(std::abs(t.logp[j] - lsm[static_cast<std::int64_t>(k++)][t.tokens[j]].item<double>()) < 1e-9);
+  }
+  CHECK(model.vision_tower_calls() == expected_images);  // the full forwards read the cache
+  // One GRPO update over the episodes (the tower frozen): still no image encoded again.
+  agents::episode_grpo<small_vlm> learner{model, {.optim = {.lr = 1e-3}}};
+  const auto st = learner.step(out.episodes, 3, tok.pad_id());
+  CHECK(std::isfinite(st.at("loss")));
+  CHECK(model.vision_tower_calls() == expected_images);
+
+  // Errors: markers and images that do not match; images for a policy without an image table.
+  torch::NoGradGuard ng;
+  CHECK_THROWS_WITH(agents::run_episodes(model, mismatched_env{}, {1}, 1, io, ao),
+                    Catch::Contains("1 image(s) but the text has 2 <image> marker(s)"));
+  CHECK_THROWS_WITH(agents::run_episodes(model, mismatched_env{{}, false}, {1}, 1, io, ao),
+                    Catch::Contains("2 image(s) but the text has 1 <image> marker(s)"));
+  models::gpt text_only{models::gpt_options{.vocab_size = tok.vocab_size(), .max_len = 320, .n_layer = 1, .n_head = 2,
+                                            .d_model = 16}};
+  CHECK_THROWS_WITH(agents::run_episodes(text_only, screens_env{}, {1}, 1, io, ao),
+                    Catch::Contains("the policy has no image table"));
 }

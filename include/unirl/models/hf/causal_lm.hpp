@@ -796,17 +796,32 @@ class decoder_net_impl : public torch::nn::Cloneable<decoder_net_impl>, public l
   torch::Tensor forward_paged(const paged_batch& b, paged_kv& kv, bool head = true) {
     UNIRL_CHECK(b.ids.defined() && b.ids.dim() == 1 && b.positions.sizes() == b.ids.sizes(),
                 "hf::causal_lm: paged ids and positions must be (N,) int64 each");
+    torch::NoGradGuard ng;
+    return forward_paged_from_embeddings(embed_unchecked(b.ids), b, kv, head);
+  }
+  /// `forward_paged` from input embeddings x (N, hidden) of the batch's rows instead of its ids
+  /// (GPT-2's position embeddings are added here).
+  torch::Tensor forward_paged_from_embeddings(const torch::Tensor& x, const paged_batch& b, paged_kv& kv,
+                                              bool head = true) {
+    UNIRL_CHECK(b.positions.defined() && b.positions.dim() == 1 && x.dim() == 2 && x.size(0) == b.positions.size(0) &&
+                    x.size(1) == c_.hidden_size,
+                "hf::causal_lm: paged embeddings must be (N, hidden_size = ", c_.hidden_size,
+                ") with (N,) positions, got sizes ", x.sizes());
     UNIRL_CHECK(static_cast<std::int64_t>(kv.k.size()) == c_.num_hidden_layers, "hf::causal_lm: the paged pool has ",
                 kv.k.size(), " layers; the model ", c_.num_hidden_layers);
     UNIRL_CHECK(!c_.is_gpt2() || b.max_position < c_.max_position_embeddings, "hf::causal_lm: position ",
                 b.max_position, " is past GPT-2's n_positions = ", c_.max_position_embeddings);
     torch::NoGradGuard ng;
-    const auto ids = b.ids.unsqueeze(0), positions = b.positions.unsqueeze(0);
-    auto h = c_.is_gpt2() ? transformer->forward_paged(transformer->wte(ids), positions, b, kv)
-                          : model->forward_paged(model->embed_tokens(ids), positions, b, kv);
+    const auto positions = b.positions.unsqueeze(0);
+    auto h = c_.is_gpt2() ? transformer->forward_paged(x.unsqueeze(0), positions, b, kv)
+                          : model->forward_paged(x.unsqueeze(0), positions, b, kv);
     h = h.squeeze(0);
     if (b.output_rows.defined()) h = h.index_select(0, b.output_rows);
     return finish(h, head);
+  }
+  /// Token embeddings of ids the caller has checked (the engine checks them on the host): no device read.
+  torch::Tensor embed_unchecked(const torch::Tensor& ids) {
+    return c_.is_gpt2() ? transformer->wte(ids) : model->embed_tokens(ids);
   }
 
   /// Incremental forward of the next n tokens: ids (B, n), mask (B, n) -> (B, n, out | hidden).
@@ -986,6 +1001,10 @@ struct causal_lm : module_adapter<causal_lm, decoder_net> {
   paged_kv make_paged_kv(std::int64_t slots) const { return net_->make_paged_kv(slots); }
   /// Logits (R, V) of the packed batch's output rows over the paged cache (`PagedCausalLM`).
   torch::Tensor logits_paged(const paged_batch& b, paged_kv& kv) const { return net_.ptr()->forward_paged(b, kv); }
+  /// `logits_paged` from input embeddings x (N, hidden) of the batch's rows (models/vlm).
+  torch::Tensor logits_paged_from_embeddings(const torch::Tensor& x, const paged_batch& b, paged_kv& kv) const {
+    return net_.ptr()->forward_paged_from_embeddings(x, b, kv);
+  }
   std::int64_t vocab_size() const { return net_->config().vocab_size; }
   std::int64_t max_length() const { return net_->config().max_position_embeddings; }
   /// Activation checkpointing of the decoder layers (`checkpoint_kind::decoder_blocks`) in

@@ -202,41 +202,18 @@ struct vision_state {
   vlm_options options{};
 };
 
-/// The multimodal input embeddings (B, L, D) of ids (B, L) (see the file comment). `segments`
-/// (packed rows) ends runs at segment boundaries too. One host read per call: the image-slot
-/// positions of the ids (none for text-only ids), besides the language model's own checks.
+/// The projected feature rows (K, D) of K image-slot ids `ids`, the k-th of its run taking its
+/// image's feature row `ks[i]`: checks each id against the image table, takes the features cached
+/// or encodes the missing images (one tower call), and runs the projector once.
 template <class LMNet>
-torch::Tensor multimodal_embeddings(vlm_net_impl<LMNet>& net, const vision_state& st, const torch::Tensor& ids,
-                                    const torch::Tensor& segments = {}) {
-  UNIRL_CHECK(ids.dim() == 2, "vlm: ids must be (B, L) int64, got sizes ", ids.sizes());
-  UNIRL_CHECK(ids.scalar_type() == torch::kInt64 || ids.scalar_type() == torch::kInt32,
-              "vlm: ids must be integers, got ", ids.scalar_type());
-  auto& lm = net.language_model;
+torch::Tensor image_rows(vlm_net_impl<LMNet>& net, const vision_state& st, const std::vector<std::int64_t>& ids,
+                         const std::vector<std::int64_t>& ks) {
   auto& cache = *st.cache;
   const auto V = cache.vocab_size();
-  if (ids.numel() == 0) return lm->embed(ids);
-  const auto id64 = ids.to(torch::kInt64);
-  const auto special = (id64 < 0) | (id64 >= V);
-  // Position k of each id in its run of equal ids (a run ends at a change of id or of segment).
-  const auto B = id64.size(0), L = id64.size(1);
-  const auto io = torch::TensorOptions(torch::kInt64).device(id64.device());
-  const auto pos = torch::arange(L, io).unsqueeze(0).expand({B, L});
-  const auto first = torch::full({B, 1}, std::numeric_limits<std::int64_t>::min(), io);
-  auto starts = id64 != torch::cat({first, id64.slice(1, 0, L - 1)}, 1);
-  if (segments.defined()) {
-    UNIRL_CHECK(segments.sizes() == ids.sizes(), "vlm: segments sizes ", segments.sizes(), " differ from ids sizes ",
-                ids.sizes());
-    const auto seg = segments.to(torch::kInt64);
-    starts = starts | (seg != torch::cat({first, seg.slice(1, 0, L - 1)}, 1));
-  }
-  const auto run_start = std::get<0>(torch::where(starts, pos, torch::zeros_like(pos)).cummax(1));
-  const auto host = torch::stack({id64.masked_select(special), (pos - run_start).masked_select(special)}).cpu();
-  const auto K = host.size(1);
-  if (K == 0) return lm->embed(id64);
-  const auto a = host.accessor<std::int64_t, 2>();
+  const auto K = static_cast<std::int64_t>(ids.size());
   std::map<std::int64_t, std::int64_t> offset;  // slot -> its first row in the table of the slots shown
   for (std::int64_t i = 0; i < K; ++i) {
-    const auto id = a[0][i], k = a[1][i];
+    const auto id = ids[static_cast<std::size_t>(i)], k = ks[static_cast<std::size_t>(i)];
     UNIRL_CHECK(id >= 0, "vlm: token id ", id, " is negative: expected ids in [0, vocab_size = ", V,
                 ") or image-slot ids >= ", V);
     const auto s = id - V;
@@ -300,10 +277,82 @@ torch::Tensor multimodal_embeddings(vlm_net_impl<LMNet>& net, const vision_state
   }
   const auto table = net.multi_modal_projector->forward(torch::cat(feats, 0));  // (rows, D)
   std::vector<std::int64_t> index(static_cast<std::size_t>(K));
-  for (std::int64_t i = 0; i < K; ++i) index[static_cast<std::size_t>(i)] = offset[a[0][i] - V] + a[1][i];
+  for (std::size_t i = 0; i < ids.size(); ++i) index[i] = offset[ids[i] - V] + ks[i];
   const auto idx = torch::tensor(index, torch::kInt64).to(table.device());
+  return table.index_select(0, idx);
+}
+
+/// The multimodal input embeddings (B, L, D) of ids (B, L) (see the file comment). `segments`
+/// (packed rows) ends runs at segment boundaries too. One host read per call: the image-slot
+/// positions of the ids (none for text-only ids), besides the language model's own checks.
+template <class LMNet>
+torch::Tensor multimodal_embeddings(vlm_net_impl<LMNet>& net, const vision_state& st, const torch::Tensor& ids,
+                                    const torch::Tensor& segments = {}) {
+  UNIRL_CHECK(ids.dim() == 2, "vlm: ids must be (B, L) int64, got sizes ", ids.sizes());
+  UNIRL_CHECK(ids.scalar_type() == torch::kInt64 || ids.scalar_type() == torch::kInt32,
+              "vlm: ids must be integers, got ", ids.scalar_type());
+  auto& lm = net.language_model;
+  auto& cache = *st.cache;
+  const auto V = cache.vocab_size();
+  if (ids.numel() == 0) return lm->embed(ids);
+  const auto id64 = ids.to(torch::kInt64);
+  const auto special = (id64 < 0) | (id64 >= V);
+  // Position k of each id in its run of equal ids (a run ends at a change of id or of segment).
+  const auto B = id64.size(0), L = id64.size(1);
+  const auto io = torch::TensorOptions(torch::kInt64).device(id64.device());
+  const auto pos = torch::arange(L, io).unsqueeze(0).expand({B, L});
+  const auto first = torch::full({B, 1}, std::numeric_limits<std::int64_t>::min(), io);
+  auto starts = id64 != torch::cat({first, id64.slice(1, 0, L - 1)}, 1);
+  if (segments.defined()) {
+    UNIRL_CHECK(segments.sizes() == ids.sizes(), "vlm: segments sizes ", segments.sizes(), " differ from ids sizes ",
+                ids.sizes());
+    const auto seg = segments.to(torch::kInt64);
+    starts = starts | (seg != torch::cat({first, seg.slice(1, 0, L - 1)}, 1));
+  }
+  const auto run_start = std::get<0>(torch::where(starts, pos, torch::zeros_like(pos)).cummax(1));
+  const auto host = torch::stack({id64.masked_select(special), (pos - run_start).masked_select(special)}).cpu();
+  const auto K = host.size(1);
+  if (K == 0) return lm->embed(id64);
+  const auto a = host.accessor<std::int64_t, 2>();
+  std::vector<std::int64_t> slot_ids(static_cast<std::size_t>(K)), run(static_cast<std::size_t>(K));
+  for (std::int64_t i = 0; i < K; ++i) {
+    slot_ids[static_cast<std::size_t>(i)] = a[0][i];
+    run[static_cast<std::size_t>(i)] = a[1][i];
+  }
   const auto x = lm->embed(id64.masked_fill(special, 0));
-  return x.index_put({special}, table.index_select(0, idx).to(x.device(), x.scalar_type()));
+  return x.index_put({special}, image_rows(net, st, slot_ids, run).to(x.device(), x.scalar_type()));
+}
+
+/// Token embeddings of ids already checked by the caller (the engine checks them on the host): no device read.
+inline torch::Tensor embed_checked_ids(gpt_net lm, const torch::Tensor& ids) { return lm->embed(ids); }
+inline torch::Tensor embed_checked_ids(hf::decoder_net lm, const torch::Tensor& ids) {
+  return lm->embed_unchecked(ids);
+}
+
+/// The multimodal input embeddings (N, D) of a paged batch's rows (the rollout engine): image-slot
+/// ids and their index in their run come from the batch's host copies (`paged_batch::host_ids`,
+/// `run_index`), so a run split across chunks, steps or shared prefix blocks takes the right
+/// feature rows, and nothing is read from the device.
+template <class LMNet>
+torch::Tensor paged_embeddings(vlm_net_impl<LMNet>& net, const vision_state& st, const paged_batch& b) {
+  const auto N = b.tokens();
+  UNIRL_CHECK(static_cast<std::int64_t>(b.host_ids.size()) == N && static_cast<std::int64_t>(b.run_index.size()) == N,
+              "vlm: the paged batch has ", N, " rows but ", b.host_ids.size(), " host ids and ", b.run_index.size(),
+              " run indices (rollout::make_paged_batch fills them)");
+  const auto V = st.cache->vocab_size();
+  std::vector<std::int64_t> rows, slot_ids, run;
+  for (std::int64_t i = 0; i < N; ++i) {
+    const auto id = b.host_ids[static_cast<std::size_t>(i)];
+    if (id >= 0 && id < V) continue;
+    rows.push_back(i);
+    slot_ids.push_back(id);
+    run.push_back(b.run_index[static_cast<std::size_t>(i)]);
+  }
+  const auto& lm = net.language_model;
+  if (rows.empty()) return embed_checked_ids(lm, b.ids);
+  const auto r = torch::tensor(rows, torch::kInt64).to(b.ids.device());
+  const auto x = embed_checked_ids(lm, b.ids.index_fill(0, r, 0));
+  return x.index_put({r}, image_rows(net, st, slot_ids, run).to(x.device(), x.scalar_type()));
 }
 
 /// Checks the parts fit together and the options the tower.
@@ -367,7 +416,7 @@ struct vlm_critic : module_adapter<vlm_critic<LM>, vlm_net<detail::lm_net_t<LM>>
 
 /// A vision-language model of the token track over language model `LM` (`models::gpt` or
 /// `models::hf::causal_lm`); see the file comment. Models `CausalLM`, and `PackedCausalLM`,
-/// `PrefixSharingCausalLM`, `HiddenStateCausalLM` exactly when `LM` does.
+/// `PrefixSharingCausalLM`, `HiddenStateCausalLM`, `PagedCausalLM` (the rollout engine) exactly when `LM` does.
 template <class LM>
 struct vlm : module_adapter<vlm<LM>, vlm_net<detail::lm_net_t<LM>>> {
   using track = token_track;
@@ -441,6 +490,24 @@ struct vlm : module_adapter<vlm<LM>, vlm_net<detail::lm_net_t<LM>>> {
   {
     return language_model().max_length();
   }
+
+  /// The paged forward of the rollout engine (`PagedCausalLM`, when `LM` is one): image-slot ids
+  /// take their feature rows (found on the host from the batch's `host_ids` and `run_index`, so a
+  /// run split across prefill chunks, steps or shared prefix blocks is placed right); each image
+  /// is encoded once and then served from the image table's cache.
+  paged_kv make_paged_kv(std::int64_t slots) const
+    requires PagedCausalLM<LM>
+  {
+    return language_model().make_paged_kv(slots);
+  }
+  torch::Tensor logits_paged(const paged_batch& b, paged_kv& kv) const
+    requires PagedCausalLM<LM>
+  {
+    return language_model().logits_paged_from_embeddings(detail::paged_embeddings(*this->net_.ptr(), st_, b), b, kv);
+  }
+  /// The ids the model takes: the vocabulary, then one per registered image (the engine checks
+  /// requests against it; an image's feature rows repeat its id).
+  std::int64_t input_vocab_size() const { return vocab_size() + st_.cache->size(); }
 
   /// Packed logits (`PackedCausalLM`, when `LM` is one): ids, positions, segments (R, N) -> (R, N, V).
   torch::Tensor logits_packed(const torch::Tensor& ids, const torch::Tensor& positions,
@@ -580,6 +647,7 @@ inline vlm<gpt> make_small(const small_vlm_options& o = {}) {
 
 static_assert(CausalLM<vlm<gpt>> && PackedCausalLM<vlm<gpt>> && PrefixSharingCausalLM<vlm<gpt>>);
 static_assert(!HiddenStateCausalLM<vlm<gpt>>);
+static_assert(PagedCausalLM<vlm<gpt>> && PagedCausalLM<vlm<hf::causal_lm>>);
 static_assert(CriticFactory<vlm<gpt>> && PackedTokenCritic<vlm_critic<gpt>>);
 static_assert(CausalLM<vlm<hf::causal_lm>> && PackedCausalLM<vlm<hf::causal_lm>> &&
               PrefixSharingCausalLM<vlm<hf::causal_lm>> && HiddenStateCausalLM<vlm<hf::causal_lm>>);
