@@ -33,6 +33,8 @@ function(run out_var)
   set(${out_var} "${rc}\n${out}\n${err}" PARENT_SCOPE)
   set(${out_var}_err "${err}" PARENT_SCOPE)
 endfunction()
+# A shell function for the signal cases: wait_rows FILE N waits until FILE has N lines (60 s at most).
+set(wait_rows "wait_rows() { i=0; while [ \"$(cat \"$1\" 2>/dev/null | wc -l)\" -lt \"$2\" ] && [ $i -lt 600 ]; do sleep 0.1; i=$((i+1)); done; }")
 function(expect what)
   if(NOT (${ARGN}))
     message(FATAL_ERROR "${what}")
@@ -187,8 +189,6 @@ elseif(CASE STREQUAL "device")
 elseif(CASE STREQUAL "signal")
   set(m "${WORK}/metrics.jsonl")
   set(cmd "\"${TOOL}\" --recipe \"${RECIPE}\" progress=false threads=1 out=${WORK} eval_data= export_dir=none")
-  # wait_rows FILE N: until FILE has N lines (60 s at most)
-  set(wait_rows "wait_rows() { i=0; while [ \"$(cat \"$1\" 2>/dev/null | wc -l)\" -lt \"$2\" ] && [ $i -lt 600 ]; do sleep 0.1; i=$((i+1)); done; }")
   # 1. SIGINT mid-run: the step in flight finishes, a checkpoint of it, exit 130.
   execute_process(COMMAND ${SH} -c "${wait_rows}; ${cmd} steps=100000 > ${WORK}/int.out 2>&1 & pid=$!; wait_rows ${m} 3; kill -INT $pid; wait $pid; echo rc=$?"
                   OUTPUT_VARIABLE o TIMEOUT 200)
@@ -360,7 +360,6 @@ elseif(CASE STREQUAL "agents")
   string(JSON as GET "${sj}" accuracy_after_sft)
   expect("summary.json after SFT: sft_steps ${ss} (want 6), accuracy_after_sft ${as}" ss EQUAL 6 AND as GREATER_EQUAL 0)
   # SIGTERM in the supervised stage: its checkpoint, exit 143; the resume finishes the stage.
-  set(wait_rows "wait_rows() { i=0; while [ \"$(cat \"$1\" 2>/dev/null | wc -l)\" -lt \"$2\" ] && [ $i -lt 600 ]; do sleep 0.1; i=$((i+1)); done; }")
   set(sft "\"${TOOL}\" --recipe \"${RECIPE}\" progress=false threads=1 out=${WORK}/j export_dir=none eval_data= environment.name=arithmetic environment.max_turns=2 environment.max_turn_tokens=8 steps=1 group_size=2 prompts_per_step=1 sft.steps=400 sft.batch_size=2 sft.data=${WORK}/demos.jsonl")
   execute_process(COMMAND ${SH} -c "${wait_rows}; ${sft} > ${WORK}/j.out 2>&1 & pid=$!; wait_rows ${WORK}/j/sft_metrics.jsonl 3; kill -TERM $pid; wait $pid; echo rc=$?"
                   OUTPUT_VARIABLE o TIMEOUT 200)
@@ -445,7 +444,6 @@ elseif(CASE STREQUAL "agents")
     expect("${alg}: 2 + 2 resumed steps exported other weights than 4 straight ones" ha STREQUAL hb)
   endforeach()
   # SIGINT: the step in flight finishes, its checkpoint is written, exit 130 with the clear line.
-  set(wait_rows "wait_rows() { i=0; while [ \"$(cat \"$1\" 2>/dev/null | wc -l)\" -lt \"$2\" ] && [ $i -lt 600 ]; do sleep 0.1; i=$((i+1)); done; }")
   set(cmd "\"${TOOL}\" --recipe \"${RECIPE}\" progress=false threads=1 out=${WORK}/agent_int export_dir=none eval_data= environment.heldout=0 environment.name=arithmetic environment.max_turns=2 environment.max_turn_tokens=8 group_size=4 prompts_per_step=2")
   execute_process(COMMAND ${SH} -c "${wait_rows}; ${cmd} steps=100000 > ${WORK}/agent_int.out 2>&1 & pid=$!; wait_rows ${WORK}/agent_int/metrics.jsonl 2; kill -INT $pid; wait $pid; echo rc=$?"
                   OUTPUT_VARIABLE o TIMEOUT 200)

@@ -52,6 +52,21 @@ inline constexpr std::array unirl::options::field_docs<unirl::recipes::checkpoin
 
 namespace unirl::recipes::detail {
 
+/// The `summary.json` an earlier invocation wrote in the run directory `out`, which a resumed
+/// run continues (its counts are cumulative): `{}` when there is none, or when a kill left it
+/// damaged or not an object (counted afresh then).
+inline nlohmann::json previous_summary(const std::filesystem::path& out) {
+  nlohmann::json previous = nlohmann::json::object();
+  if (!std::filesystem::exists(out / "summary.json")) return previous;
+  try {
+    std::ifstream in(out / "summary.json");
+    previous = nlohmann::json::parse(in);
+  } catch (const std::exception&) {
+    return nlohmann::json::object();
+  }
+  return previous.is_object() ? previous : nlohmann::json::object();
+}
+
 /// The device a recipe names, checked: a name LibTorch parses, CUDA only where this LibTorch has
 /// it and the GPU exists; otherwise a `config_error` naming `device` and what is available.
 inline torch::Device checked_device(const std::string& d) {

@@ -307,16 +307,8 @@ inline flow_run_result run(const flow_recipe& r, const stop_request* stop = null
   const train::run_directory run_dir(out, {.keep = r.checkpoint.keep});
   if (r.checkpoint.resume) run_dir.remove_temporaries();
   const auto last = r.checkpoint.resume ? run_dir.latest() : std::nullopt;
-  nlohmann::json previous = nlohmann::json::object();  // the summary of the invocations this one resumes
-  if (last && std::filesystem::exists(out / "summary.json")) {
-    try {
-      std::ifstream in(out / "summary.json");
-      previous = nlohmann::json::parse(in);
-    } catch (const std::exception&) {
-      previous = nlohmann::json::object();  // damaged by a kill: counted afresh
-    }
-    if (!previous.is_object()) previous = nlohmann::json::object();
-  }
+  // The summary of the invocations this one resumes ({} for a fresh run).
+  const nlohmann::json previous = last ? detail::previous_summary(out) : nlohmann::json::object();
 
   auto pipe = df::load_sd3(r.model, {.allow_missing_t5 = r.allow_missing_t5, .t5_tokens = r.t5_tokens});
   pipe.vae->to(dev);

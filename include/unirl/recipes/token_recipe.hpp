@@ -707,17 +707,7 @@ struct run_summary {
   nlohmann::json previous = nlohmann::json::object();  // what an earlier invocation wrote ({} if none)
 
   // Reads the summary an earlier invocation wrote in `out` (none, or one damaged by a kill: {}).
-  void continue_from(const std::filesystem::path& out) {
-    previous = nlohmann::json::object();
-    if (!std::filesystem::exists(out / "summary.json")) return;
-    try {
-      std::ifstream in(out / "summary.json");
-      previous = nlohmann::json::parse(in);
-    } catch (const std::exception&) {
-      previous = nlohmann::json::object();  // damaged by a kill: counted afresh
-    }
-    if (!previous.is_object()) previous = nlohmann::json::object();
-  }
+  void continue_from(const std::filesystem::path& out) { previous = detail::previous_summary(out); }
   double prev(const char* key, double fallback) const {
     return previous.contains(key) && previous[key].is_number() ? previous[key].get<double>() : fallback;
   }

@@ -16,9 +16,9 @@
 /// float32), self-attention with unscaled scores plus the bucketed bidirectional relative
 /// position bias of the first block (shared by every block), the residual; an RMS layer norm,
 /// the feed-forward (`gated-gelu`: wo(gelu_tanh(wi_0 x) * wi_1 x); `relu`: wo(relu(wi x))), the
-/// residual; then `final_layer_norm`. Not implemented: T5's SentencePiece tokenizer (the
-/// encoder takes token ids) and wiring it into `sd3_pipeline::encode_prompts` (which still
-/// uses zero T5 tokens).
+/// residual; then `final_layer_norm`. Scope: the encoder takes token ids — T5's SentencePiece
+/// tokenizer is outside this header — and `sd3_pipeline::encode_prompts` feeds it zero T5
+/// tokens (docs/flow.md).
 #include <cmath>
 #include <cstdint>
 #include <filesystem>
