@@ -33,8 +33,28 @@ function(run out_var)
   set(${out_var} "${rc}\n${out}\n${err}" PARENT_SCOPE)
   set(${out_var}_err "${err}" PARENT_SCOPE)
 endfunction()
-# A shell function for the signal cases: wait_rows FILE N waits until FILE has N lines (60 s at most).
-set(wait_rows "wait_rows() { i=0; while [ \"$(cat \"$1\" 2>/dev/null | wc -l)\" -lt \"$2\" ] && [ $i -lt 600 ]; do sleep 0.1; i=$((i+1)); done; }")
+# interrupt(OUT LOG CMD LOGFILE ROWS_FILE ROWS SIGNAL...), for the signal cases: runs the shell
+# command CMD in the background (its output to LOGFILE), waits until ROWS_FILE has ROWS lines (60 s
+# at most), sends each SIGNAL (0.3 s apart) and waits for it; OUT is "rc=<its exit status>", LOG
+# its output.
+function(interrupt out log cmd logfile rows_file rows)
+  set(wait_rows "wait_rows() { i=0; while [ \"$(cat \"$1\" 2>/dev/null | wc -l)\" -lt \"$2\" ] && [ $i -lt 600 ]; do sleep 0.1; i=$((i+1)); done; }")
+  set(kills "")
+  foreach(sig ${ARGN})
+    if(kills)
+      string(APPEND kills " sleep 0.3;")
+    endif()
+    string(APPEND kills " kill -${sig} $pid;")
+  endforeach()
+  execute_process(COMMAND ${SH} -c "${wait_rows}; ${cmd} > ${logfile} 2>&1 & pid=$!; wait_rows ${rows_file} ${rows};${kills} wait $pid; echo rc=$?"
+                  OUTPUT_VARIABLE o TIMEOUT 200)
+  set(text "")
+  if(EXISTS "${logfile}")
+    file(READ "${logfile}" text)
+  endif()
+  set(${out} "${o}" PARENT_SCOPE)
+  set(${log} "${text}" PARENT_SCOPE)
+endfunction()
 function(expect what)
   if(NOT (${ARGN}))
     message(FATAL_ERROR "${what}")
@@ -190,9 +210,7 @@ elseif(CASE STREQUAL "signal")
   set(m "${WORK}/metrics.jsonl")
   set(cmd "\"${TOOL}\" --recipe \"${RECIPE}\" progress=false threads=1 out=${WORK} eval_data= export_dir=none")
   # 1. SIGINT mid-run: the step in flight finishes, a checkpoint of it, exit 130.
-  execute_process(COMMAND ${SH} -c "${wait_rows}; ${cmd} steps=100000 > ${WORK}/int.out 2>&1 & pid=$!; wait_rows ${m} 3; kill -INT $pid; wait $pid; echo rc=$?"
-                  OUTPUT_VARIABLE o TIMEOUT 200)
-  file(READ "${WORK}/int.out" io)
+  interrupt(o io "${cmd} steps=100000" ${WORK}/int.out ${m} 3 INT)
   string(REGEX MATCH "at step ([0-9]+)" _ "${io}")
   set(n "${CMAKE_MATCH_1}")
   expect("SIGINT did not stop with exit 130 and a clear line:\n${o}\n${io}" o MATCHES "rc=130" AND n MATCHES "^[0-9]+$"
@@ -216,8 +234,7 @@ elseif(CASE STREQUAL "signal")
          st EQUAL n2 AND rf EQUAL reward0 AND inv EQUAL 2)
   # 3. kill -9 with a checkpoint every step: the resume drops the rows after the checkpoint.
   math(EXPR n3 "${n2} + 100000")
-  execute_process(COMMAND ${SH} -c "${wait_rows}; ${cmd} steps=${n3} checkpoint.every=1 > /dev/null 2>&1 & pid=$!; wait_rows ${m} $((${n2} + 3)); kill -KILL $pid; wait $pid; echo rc=$?"
-                  OUTPUT_VARIABLE o TIMEOUT 200)
+  interrupt(o _ "${cmd} steps=${n3} checkpoint.every=1" ${WORK}/kill.out ${m} "$((${n2} + 3))" KILL)
   expect("kill -9: ${o}" o MATCHES "rc=137")
   # The killed run may have gone on for any number of steps after the rows were seen (a loaded
   # machine): the resume goes 3 steps past its newest checkpoint.
@@ -235,9 +252,7 @@ elseif(CASE STREQUAL "signal")
   # 4. SIGTERM in the supervised stage: its checkpoint, exit 143; the resume finishes it with one row per step.
   set(w2 "${WORK}/sft_run")
   set(sft "\"${TOOL}\" --recipe \"${RECIPE}\" progress=false threads=1 out=${w2} eval_data= export_dir=none steps=1 sft.steps=400 sft.batch_size=2")
-  execute_process(COMMAND ${SH} -c "${wait_rows}; ${sft} > ${WORK}/term.out 2>&1 & pid=$!; wait_rows ${w2}/sft_metrics.jsonl 3; kill -TERM $pid; wait $pid; echo rc=$?"
-                  OUTPUT_VARIABLE o TIMEOUT 200)
-  file(READ "${WORK}/term.out" to)
+  interrupt(o to "${sft}" ${WORK}/term.out ${w2}/sft_metrics.jsonl 3 TERM)
   string(REGEX MATCH "at supervised step ([0-9]+)" _ "${to}")
   set(k "${CMAKE_MATCH_1}")
   expect("SIGTERM in the SFT stage: ${o}\n${to}" o MATCHES "rc=143" AND k MATCHES "^[0-9]+$" AND k LESS 400)
@@ -249,9 +264,8 @@ elseif(CASE STREQUAL "signal")
   string(JSON ss GET "${sj}" sft_steps)
   expect("summary.json: sft_steps ${ss}, expected 400 over both invocations" ss EQUAL 400)
   # 5. two signals: the second exits at once (long steps: it arrives mid-step).
-  execute_process(COMMAND ${SH} -c "${wait_rows}; ${cmd} out=${WORK}/twice steps=100000 prompts_per_step=64 group_size=64 sampling.max_new_tokens=50 > ${WORK}/twice.out 2>&1 & pid=$!; wait_rows ${WORK}/twice/metrics.jsonl 1; kill -INT $pid; sleep 0.3; kill -INT $pid; wait $pid; echo rc=$?"
-                  OUTPUT_VARIABLE o TIMEOUT 200)
-  file(READ "${WORK}/twice.out" tw)
+  interrupt(o tw "${cmd} out=${WORK}/twice steps=100000 prompts_per_step=64 group_size=64 sampling.max_new_tokens=50"
+            ${WORK}/twice.out ${WORK}/twice/metrics.jsonl 1 INT INT)
   expect("a second SIGINT did not exit at once: ${o}\n${tw}" o MATCHES "rc=130" AND tw MATCHES "second signal: exiting now" AND NOT tw MATCHES "stopped by")
 
 elseif(CASE STREQUAL "help")
@@ -361,9 +375,7 @@ elseif(CASE STREQUAL "agents")
   expect("summary.json after SFT: sft_steps ${ss} (want 6), accuracy_after_sft ${as}" ss EQUAL 6 AND as GREATER_EQUAL 0)
   # SIGTERM in the supervised stage: its checkpoint, exit 143; the resume finishes the stage.
   set(sft "\"${TOOL}\" --recipe \"${RECIPE}\" progress=false threads=1 out=${WORK}/j export_dir=none eval_data= environment.name=arithmetic environment.max_turns=2 environment.max_turn_tokens=8 steps=1 group_size=2 prompts_per_step=1 sft.steps=400 sft.batch_size=2 sft.data=${WORK}/demos.jsonl")
-  execute_process(COMMAND ${SH} -c "${wait_rows}; ${sft} > ${WORK}/j.out 2>&1 & pid=$!; wait_rows ${WORK}/j/sft_metrics.jsonl 3; kill -TERM $pid; wait $pid; echo rc=$?"
-                  OUTPUT_VARIABLE o TIMEOUT 200)
-  file(READ "${WORK}/j.out" jo)
+  interrupt(o jo "${sft}" ${WORK}/j.out ${WORK}/j/sft_metrics.jsonl 3 TERM)
   string(REGEX MATCH "at supervised step ([0-9]+)" _ "${jo}")
   set(k "${CMAKE_MATCH_1}")
   file(GLOB jck "${WORK}/j/sft/checkpoints/step-*.pt")
@@ -445,9 +457,7 @@ elseif(CASE STREQUAL "agents")
   endforeach()
   # SIGINT: the step in flight finishes, its checkpoint is written, exit 130 with the clear line.
   set(cmd "\"${TOOL}\" --recipe \"${RECIPE}\" progress=false threads=1 out=${WORK}/agent_int export_dir=none eval_data= environment.heldout=0 environment.name=arithmetic environment.max_turns=2 environment.max_turn_tokens=8 group_size=4 prompts_per_step=2")
-  execute_process(COMMAND ${SH} -c "${wait_rows}; ${cmd} steps=100000 > ${WORK}/agent_int.out 2>&1 & pid=$!; wait_rows ${WORK}/agent_int/metrics.jsonl 2; kill -INT $pid; wait $pid; echo rc=$?"
-                  OUTPUT_VARIABLE o TIMEOUT 200)
-  file(READ "${WORK}/agent_int.out" io)
+  interrupt(o io "${cmd} steps=100000" ${WORK}/agent_int.out ${WORK}/agent_int/metrics.jsonl 2 INT)
   string(REGEX MATCH "at step ([0-9]+)" _ "${io}")
   set(n "${CMAKE_MATCH_1}")
   expect("SIGINT did not stop the multi-turn run with exit 130 and its checkpoint:\n${o}\n${io}" o MATCHES "rc=130"
