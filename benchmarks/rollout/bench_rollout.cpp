@@ -13,9 +13,17 @@
 // its position table raised to prompt + limit) and Qwen2.5-0.5B's shapes with 4 layers (hidden 896,
 // 14 / 2 heads of 64, MLP 4864, vocabulary 151,936, tied).
 //
+// Partial rollouts (--partial=1; rollout/partial.hpp): batches of <groups> groups of 8 from the
+// quickstart GPT with stop token 0 (random weights: about one token in 16 stops a completion, so
+// lengths are geometric, capped at the limit): whole batches through `sample_tokens_engine` (a
+// batch ends with its slowest group) against partial rollouts offered twice the prompts (a batch
+// is the first <groups> groups to finish; the others go on into the next). Groups per second and
+// engine steps per batch, side by side, the same number of batches.
+//
 //   bench_rollout [--threads=1] [--reps=3] [--gpt-seqs=256 --gpt-batch=64 --gpt-limit=128]
 //                 [--qwen-seqs=64 --qwen-batch=16 --qwen-limit=32] [--prompt=16] [--tail=1 --equal=1 --static=1]
 //                 [--targets=0 --target-layers=24 --target-batch=64 --target-steps=4]
+//                 [--partial=0 --partial-batches=24 --partial-groups=8 --partial-limit=128]
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -32,6 +40,8 @@
 #include <unirl/models/gpt.hpp>
 #include <unirl/models/hf/causal_lm.hpp>
 #include <unirl/rollout/engine.hpp>
+#include <unirl/rollout/engine_sampler.hpp>
+#include <unirl/rollout/partial.hpp>
 #include <unirl/rollout/token_sampler.hpp>
 
 #include "qwen_shapes.hpp"
@@ -211,6 +221,73 @@ void targets(std::int64_t layers, std::int64_t big_batch, std::int64_t steps) {
 
 }  // namespace
 
+// --partial=1: whole batches against partial rollouts (see the file comment).
+void partial(std::int64_t batches, std::int64_t groups, std::int64_t prompt, std::int64_t limit, std::int64_t reps) {
+  torch::NoGradGuard ng;
+  torch::manual_seed(0);
+  unirl::models::gpt g{unirl::models::gpt_options{
+      .vocab_size = 16, .max_len = prompt + limit, .n_layer = 2, .n_head = 4, .d_model = 64}};
+  g.train(false);
+  const std::int64_t G = 8;
+  std::mt19937 rng(1);
+  std::uniform_int_distribution<std::int64_t> tok(1, 15);
+  auto prompts = [&](std::int64_t n) {
+    unirl::prompt_batch in;
+    for (std::int64_t i = 0; i < n; ++i) {
+      std::vector<std::int64_t> p(static_cast<std::size_t>(prompt));
+      for (auto& x : p) x = tok(rng);
+      in.tokens.push_back(p);
+    }
+    return in;
+  };
+  const unirl::sampling_options s{.max_new_tokens = limit, .temperature = 1.0, .stop_tokens = {0}, .engine = true};
+  using clock = std::chrono::steady_clock;
+  auto seconds = [](clock::time_point a) { return std::chrono::duration<double>(clock::now() - a).count(); };
+  double t_whole = 1e300, t_part = 1e300;
+  std::int64_t steps_whole = 0, steps_part = 0, tok_whole = 0, tok_part = 0, carried = 0;
+  for (std::int64_t rep = 0; rep < reps; ++rep) {
+    torch::manual_seed(rep);
+    auto t0 = clock::now();
+    std::int64_t steps = 0, toks = 0;
+    for (std::int64_t b = 0; b < batches; ++b) {
+      unirl::rollout::engine_summary sum;
+      const auto r = unirl::rollout::sample_tokens_engine(g, prompts(groups), G, s, torch::kCPU, {}, &sum);
+      steps += sum.steps;
+      toks += static_cast<std::int64_t>(r.completion_mask.sum().item<double>());
+    }
+    t_whole = std::min(t_whole, seconds(t0));
+    steps_whole = steps;
+    tok_whole = toks;
+    torch::manual_seed(rep);
+    unirl::rollout::partial_rollouts carry{{.batch_groups = groups}};
+    t0 = clock::now();
+    steps = toks = 0;
+    std::int64_t c = 0;
+    for (std::int64_t b = 0; b < batches; ++b) {
+      unirl::rollout::engine_summary sum;
+      const auto r = carry.draw(g, prompts(2 * groups), G, s, torch::kCPU, &sum);
+      steps += sum.steps;
+      toks += static_cast<std::int64_t>(r.completion_mask.sum().item<double>());
+      c += carry.last().carried_groups;
+    }
+    t_part = std::min(t_part, seconds(t0));
+    steps_part = steps;
+    tok_part = toks;
+    carried = c;
+  }
+  const double n = static_cast<double>(batches * groups);
+  std::printf("\n| sampler | batches x groups of %lld | groups / s | tokens / s | engine steps per batch | tokens per batch | "
+              "groups carried |\n|---|---|---|---|---|---|---|\n", (long long)G);
+  std::printf("| whole batches (sample_tokens_engine) | %lld x %lld | %.1f | %.0f | %.1f | %.0f | 0 |\n", (long long)batches,
+              (long long)groups, n / t_whole, static_cast<double>(tok_whole) / t_whole, static_cast<double>(steps_whole) / static_cast<double>(batches),
+              static_cast<double>(tok_whole) / static_cast<double>(batches));
+  std::printf("| partial rollouts, 2x prompts offered | %lld x %lld | %.1f | %.0f | %.1f | %.0f | %lld |\n", (long long)batches,
+              (long long)groups, n / t_part, static_cast<double>(tok_part) / t_part, static_cast<double>(steps_part) / static_cast<double>(batches),
+              static_cast<double>(tok_part) / static_cast<double>(batches), (long long)carried);
+  std::printf("partial / whole: %.2fx groups per second\n", t_whole / t_part);
+  std::fflush(stdout);
+}
+
 int main(int argc, char** argv) {
   torch::set_num_threads(static_cast<int>(flag(argc, argv, "threads", 1)));
   const auto prompt = flag(argc, argv, "prompt", 16);
@@ -240,6 +317,9 @@ int main(int argc, char** argv) {
     for (const bool tail : profiles)
       compare("Qwen2.5-0.5B shapes, 4 layers", q, qseqs, qbatch, prompt, qlimit, tail, reps, run_static);
   }
+  if (flag(argc, argv, "partial", 0) != 0)
+    partial(flag(argc, argv, "partial-batches", 24), flag(argc, argv, "partial-groups", 8), prompt,
+            flag(argc, argv, "partial-limit", 128), reps);
   if (flag(argc, argv, "targets", 0) != 0)
     targets(flag(argc, argv, "target-layers", 24), flag(argc, argv, "target-batch", 64), flag(argc, argv, "target-steps", 4));
   return 0;

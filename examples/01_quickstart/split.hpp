@@ -4,6 +4,11 @@
 //
 //   unirl-launch --nproc 3 -- quickstart mode=split --out runs/qs_split                 # synchronous
 //   unirl-launch --nproc 3 -- quickstart mode=split max_staleness=1 --out runs/qs_async  # asynchronous
+//   unirl-launch --nproc 3 -- quickstart mode=split max_staleness=1 partial=1 --out runs/qs_partial
+//
+// partial=1 (asynchronous only): partial rollouts (rollout/partial.hpp). Each sampler offers its
+// engine twice a batch's prompts and returns the first prompts_per_step groups to finish; the
+// others go on in flight, under the newer weights fetched between engine steps.
 //
 // Rank 0 pretrains (the samplers wait for its first publish, which delivers the pretrained
 // weights), then learns: each step pops the samplers' scored batches (synchronous: one from every
@@ -54,12 +59,14 @@ inline int sample(const quickstart_options& o, const examples::split_mode& m, ta
   auto tr = examples::split_transport<unirl::rollout_t<unirl::models::gpt>>(m);  // waits for rank 0's store
   const std::int64_t stream = tr.rank() - 1, n = m.samplers();
   unirl::parallel::rollout_worker<unirl::models::gpt, unirl::algo::grpo<>, reward_t, transport_t> w(
-      std::move(model), stage2_reward(o), stage2_options(o, t, ""), tr, stream);
+      std::move(model), stage2_reward(o), stage2_options(o, t, ""), tr, stream,
+      {.partial_rollouts = m.partial, .partial_batch_groups = m.partial ? per : 0});
+  const std::int64_t offered = m.partial ? 2 * per : per;  // partial: over-sampled, twice the batch
   auto next = [&] {
     std::vector<problem> ps;
-    for (std::int64_t i = 0; i < n * per; ++i) {
+    for (std::int64_t i = 0; i < n * offered; ++i) {
       const auto p = t.draw_train();
-      if (i / per == stream) ps.push_back(p);
+      if (i / offered == stream) ps.push_back(p);
     }
     return t.prompts(ps);
   };
@@ -88,7 +95,8 @@ inline int learn(const quickstart_options& o, const examples::split_mode& m, tas
   unirl::parallel::learner l{trainer, tr};  // version 0: the pretrained weights
   std::cout << "stage 2: GRPO split, 1 learner + " << m.samplers() << " samplers, "
             << (m.max_staleness == 0 ? std::string("synchronous")
-                                     : "asynchronous (max_staleness " + std::to_string(m.max_staleness) + ")")
+                                     : "asynchronous (max_staleness " + std::to_string(m.max_staleness) + ")" +
+                                           (m.partial ? ", partial rollouts" : ""))
             << ", " << o.prompts_per_step << " prompts x " << o.group_size << " samples per step, up to " << o.rl_steps
             << " steps / " << o.rl_seconds << " s\n";
   const auto t_rl = std::chrono::steady_clock::now();

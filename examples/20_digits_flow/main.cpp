@@ -161,6 +161,8 @@ BOOST_HANA_ADAPT_STRUCT(example_options, steps, conditions, group_size, minibatc
 int main(int argc, char** argv) try {
   example_options opt;
   const auto split = examples::take_split_mode(argc, argv);  // mode=, max_staleness=: not example_options
+  UNIRL_CHECK(!split.partial, "partial = 1: partial rollouts are for token samplers (the quickstart); the flow ",
+              "sampler draws whole trajectories of a fixed number of steps");
   // The algorithm is a type: each branch instantiates the whole pipeline for it.
   return examples::run_chosen_algorithm(
       opt, argc, argv, "runs/20_digits_flow", {.beta = 1.0},

@@ -1,6 +1,6 @@
 #pragma once
 // The learner / sampler split of the examples (docs/parallel.md, "Learner / sampler split"):
-// `mode=colocated|split`, `max_staleness=K` and `split_timeout=SECONDS` are taken off the command
+// `mode=colocated|split`, `max_staleness=K`, `partial=0|1` and `split_timeout=SECONDS` are taken off the command
 // line before the example parses its own options — a colocated run's options, outputs and summary
 // stay exactly what they were — and the c10d rollout transport is made from torchrun's variables
 // (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; `unirl-launch --nproc N -- prog ...` or torchrun
@@ -25,6 +25,7 @@ struct split_mode {
   bool split = false;              // mode=split
   std::int64_t max_staleness = 0;  // 0: synchronous; k > 0: samplers run up to k versions ahead
   double timeout_s = 600;          // every wait of the transport (rank 0 pretrains meanwhile)
+  bool partial = false;            // partial=1: partial rollouts (worker_options::partial_rollouts; token samplers)
   int rank = 0, world_size = 1;    // RANK, WORLD_SIZE (split only)
 
   bool learner() const { return split && rank == 0; }
@@ -33,7 +34,10 @@ struct split_mode {
   /// Batches one learner step takes: one per sampler when synchronous, else the next one.
   std::int64_t parts() const { return max_staleness == 0 ? samplers() : 1; }
   nlohmann::json to_json() const {
-    return {{"mode", split ? "split" : "colocated"}, {"max_staleness", max_staleness}, {"samplers", samplers()}};
+    return {{"mode", split ? "split" : "colocated"},
+            {"max_staleness", max_staleness},
+            {"samplers", samplers()},
+            {"partial", partial}};
   }
 };
 
@@ -56,7 +60,7 @@ inline int split_env(const char* name) {
 }
 }  // namespace detail
 
-/// Removes `mode=...`, `max_staleness=...` and `split_timeout=...` from the command line (argc
+/// Removes `mode=...`, `max_staleness=...`, `partial=...` and `split_timeout=...` from the command line (argc
 /// shrinks) and returns them; with mode=split, reads RANK and WORLD_SIZE (at least 2: one learner,
 /// one sampler).
 inline split_mode take_split_mode(int& argc, char** argv) {
@@ -74,6 +78,10 @@ inline split_mode take_split_mode(int& argc, char** argv) {
       m.max_staleness = detail::split_integer("max_staleness", a.substr(14));
       UNIRL_CHECK(m.max_staleness >= 0, "max_staleness = ", m.max_staleness, ": expected >= 0 (0: synchronous)");
       staleness_given = true;
+    } else if (a.starts_with("partial=")) {
+      const auto v = detail::split_integer("partial", a.substr(8));
+      if (v != 0 && v != 1) throw unirl::config_error("partial", "value '" + a.substr(8) + "': expected 0 or 1");
+      m.partial = v == 1;
     } else if (a.starts_with("split_timeout=")) {
       m.timeout_s = static_cast<double>(detail::split_integer("split_timeout", a.substr(14)));
       UNIRL_CHECK(m.timeout_s > 0, "split_timeout = ", m.timeout_s, ": expected > 0 seconds");
@@ -84,6 +92,9 @@ inline split_mode take_split_mode(int& argc, char** argv) {
   argc = kept;
   UNIRL_CHECK(m.split || !staleness_given, "max_staleness = ", m.max_staleness,
               ": only with mode=split (the colocated loop is always on-policy)");
+  UNIRL_CHECK(!m.partial || (m.split && m.max_staleness >= 1), "partial = 1: partial rollouts need mode=split ",
+              "with max_staleness >= 1 (sequences go on under newer weights); got ",
+              m.split ? "max_staleness = " + std::to_string(m.max_staleness) : std::string("mode=colocated"));
   if (m.split) {
     m.rank = detail::split_env("RANK");
     m.world_size = detail::split_env("WORLD_SIZE");

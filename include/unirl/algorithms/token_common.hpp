@@ -24,6 +24,7 @@
 #include <unirl/core/lora_guard.hpp>
 #include <unirl/exec/policy.hpp>
 #include <unirl/rollout/engine_sampler.hpp>
+#include <unirl/rollout/partial.hpp>
 #include <unirl/rollout/sampling.hpp>
 #include <unirl/rollout/token.hpp>
 #include <unirl/rollout/token_logprob.hpp>
@@ -98,12 +99,38 @@ torch::Tensor chunked_logprob(const M& model, const token_rollout& batch, double
 /// without the paged forward is chosen at compile time and always samples there). The engine's
 /// figures go to the step statistics (host counts, no device read; summed over a step's draws,
 /// peaks the largest): `engine/steps`, `engine/peak_blocks`, `engine/peak_kv_bytes`,
-/// `engine/prefix_hit_tokens`, `engine/preemptions`.
+/// `engine/prefix_hit_tokens`, `engine/preemptions`. With `info.partial` (partial rollouts,
+/// rollout/partial.hpp) the groups come from its engine, which carries groups in flight across
+/// draws and weight versions, and its figures go there too: `partial/carried_groups`,
+/// `partial/restarted_groups`, `partial/mixed_samples`, `partial/version_changes`,
+/// `partial/in_flight_groups`, `partial/oldest_version`.
 template <CausalLM M>
 token_rollout draw_completions(const M& model, const prompt_batch& input, const step_info& info,
                                const sampling_options& s) {
   rollout::engine_summary sum;
-  auto batch = rollout::sample_completions(model, input, info.group_size, s, info.device, &sum);
+  token_rollout batch;
+  if (info.partial) {
+    if constexpr (PagedCausalLM<M>) {
+      batch = info.partial->draw(model, input, info.group_size, s, info.device, &sum);
+      if (info.extra) {
+        const auto& f = info.partial->last();
+        auto& x = *info.extra;
+        x["partial/carried_groups"] += static_cast<double>(f.carried_groups);
+        x["partial/restarted_groups"] += static_cast<double>(f.restarted_groups);
+        x["partial/mixed_samples"] += static_cast<double>(f.mixed_samples);
+        x["partial/version_changes"] += static_cast<double>(f.version_changes);
+        x["partial/in_flight_groups"] = static_cast<double>(f.in_flight_groups);
+        const auto oldest = static_cast<double>(f.oldest_version);
+        x["partial/oldest_version"] = x.contains("partial/oldest_version") ? std::min(x["partial/oldest_version"], oldest)
+                                                                            : oldest;
+      }
+    } else {
+      UNIRL_CHECK(false, "partial rollouts need a model with the paged forward (PagedCausalLM, concepts/causal_lm.hpp); "
+                         "this model samples through sample_tokens only");
+    }
+  } else {
+    batch = rollout::sample_completions(model, input, info.group_size, s, info.device, &sum);
+  }
   if (sum.steps > 0 && info.extra) {  // summed over a step's draws (dynamic sampling draws again), peaks the largest
     auto& x = *info.extra;
     x["engine/steps"] += static_cast<double>(sum.steps);

@@ -41,6 +41,10 @@ struct model_set {
   std::optional<M> ema{};
 };
 
+namespace rollout {
+class partial_rollouts;  // rollout/partial.hpp
+}  // namespace rollout
+
 /// Per-step information handed to the algorithm's stages.
 struct step_info {
   std::int64_t step = 0;                 // 0-based index of the current trainer step
@@ -55,6 +59,9 @@ struct step_info {
   std::int64_t micro_batches = 1;        // > 1: loss() sees one of this many micro-batches of a minibatch
                                          // (gradient accumulation, trainer option micro_batch_size);
                                          // whole-minibatch statistics came from prepare_minibatch
+  rollout::partial_rollouts* partial = nullptr;  // set: token completions are drawn through it, groups
+                                                 // in flight carried across calls and weight versions
+                                                 // (the split mode's worker_options::partial_rollouts)
 
   /// Reports a figure in this step's statistics (the last report of a key wins).
   void report(const std::string& key, double value) const {

@@ -65,6 +65,7 @@
 #include <unirl/core/precision.hpp>
 #include <unirl/core/stats.hpp>
 #include <unirl/rewards/scorer.hpp>
+#include <unirl/rollout/partial.hpp>
 
 namespace unirl::parallel {
 
@@ -89,6 +90,25 @@ struct worker_options {
   /// on what the worker drew before, so a restarted sampler draws what the killed one drew.
   /// Off by default: then sampler 0 draws the random stream of a colocated trainer.
   bool seed_per_version = false;
+  /// Asynchronous mode: partial rollouts (rollout/partial.hpp). The worker's engine keeps its groups
+  /// in flight across batches; a batch is the `partial_batch_groups` groups that finished first
+  /// (the input's prompts are the over-sampling: the live groups are topped up to their number), and
+  /// newer weights are fetched between engine steps, so the sequences in flight go on under them. Each token records
+  /// its version (`token_rollout::token_version`); a batch's `policy_version` is its oldest token,
+  /// so the learner's staleness counts from it and `max_staleness` bounds every token; a group
+  /// that would fall behind it is drawn again. Token samplers on the engine only (the GRPO family).
+  bool partial_rollouts = false;
+  /// With `partial_rollouts`: at a weight update the sequences in flight prefill again under the
+  /// new weights (each token's behaviour log-prob is its version's); false keeps their keys and values.
+  bool recompute_kv = true;
+  /// With `partial_rollouts`: groups per batch (at most the input's prompts); 0: the input's prompts
+  /// (no over-sampling: nothing is left in flight, so a batch waits for its slowest group).
+  std::int64_t partial_batch_groups = 0;
+  /// With `partial_rollouts`: a group whose oldest token falls more than this many versions behind
+  /// the newest weights the worker holds is drawn again. -1: `max_staleness - 1`, because the
+  /// learner usually publishes once more between the push and the pop, and `pop` drops a batch
+  /// whose oldest token is more than `max_staleness` versions behind the learner.
+  std::int64_t partial_max_token_age = -1;
 };
 
 namespace detail {
@@ -106,7 +126,8 @@ inline std::uint64_t version_seed(std::int64_t seed, std::int64_t stream, std::i
 }  // namespace detail
 
 }  // namespace unirl::parallel
-BOOST_HANA_ADAPT_STRUCT(unirl::parallel::worker_options, overlap_scoring, seed_per_version);
+BOOST_HANA_ADAPT_STRUCT(unirl::parallel::worker_options, overlap_scoring, seed_per_version, partial_rollouts,
+                        recompute_kv, partial_batch_groups, partial_max_token_age);
 namespace unirl::parallel {
 
 /// The sampling side: `Sampler` is the algorithm (or family) whose `sample` draws the batches —
@@ -147,6 +168,28 @@ class rollout_worker {
     torch::manual_seed(static_cast<std::uint64_t>(opts.seed + stream));
     models_.policy.to(device_);
     weights_ = policy_state(models_.policy);
+    if (wo_.partial_rollouts) {
+      UNIRL_CHECK(transport.max_staleness() > 0, "rollout_worker: worker_options::partial_rollouts needs the ",
+                  "asynchronous split (the transport's max_staleness >= 1; it is 0)");
+      UNIRL_CHECK(!wo_.seed_per_version, "rollout_worker: worker_options::partial_rollouts with seed_per_version: a ",
+                  "batch with groups carried from earlier versions is not a function of one version; expected one of them");
+      UNIRL_CHECK(wo_.partial_batch_groups >= 0, "rollout_worker: worker_options::partial_batch_groups = ",
+                  wo_.partial_batch_groups, ": expected >= 0");
+      UNIRL_CHECK(wo_.partial_max_token_age >= -1, "rollout_worker: worker_options::partial_max_token_age = ",
+                  wo_.partial_max_token_age, ": expected >= 0, or -1 (max_staleness - 1)");
+      partial_.emplace(::unirl::rollout::partial_options{.recompute_kv = wo_.recompute_kv,
+                                                         .max_token_age = wo_.partial_max_token_age >= 0
+                                                                              ? wo_.partial_max_token_age
+                                                                              : transport.max_staleness() - 1,
+                                                         .batch_groups = wo_.partial_batch_groups},
+                       [this] {
+                         // The newest weights, copied into the policy in place (-1: the learner finished;
+                         // the next push says so).
+                         const auto v = transport_->fetch(weights_, version_, version_);
+                         if (v > version_) version_ = v;
+                         return version_;
+                       });
+    }
   }
 
   rollout_worker(rollout_worker&&) = delete;  // a scoring in flight refers to this worker's reward
@@ -273,7 +316,9 @@ class rollout_worker {
     // Asynchronous: the batch may be trained on by later weights, so the algorithm is told the
     // update is not on-policy (GRPO then keeps the behaviour log-probs, computed here).
     const std::int64_t updates = sync ? updates_ : 0;
-    const step_info info{version_, group_size_, device_, &extra, updates, &pending, logprob_chunk_};
+    step_info info{version_, group_size_, device_, &extra, updates, &pending, logprob_chunk_};
+    info.partial = partial_ ? &*partial_ : nullptr;
+    const std::int64_t draws = partial_ ? partial_->draws() : 0;
     versioned_batch<rollout_type> out;
     {
       torch::NoGradGuard no_grad;
@@ -285,6 +330,11 @@ class rollout_worker {
     figures_ = std::move(extra);
     tensor_figures_ = std::move(pending);
     out.policy_version = version_;
+    if (partial_) {
+      UNIRL_CHECK(partial_->draws() > draws, "rollout_worker: worker_options::partial_rollouts, but the algorithm's ",
+                  "sampler did not draw through them (only token samplers on the rollout engine do: the GRPO family)");
+      out.policy_version = partial_->last().oldest_version;  // the batch's oldest token
+    }
     ++batches_;
     if (!overlapping()) {
       check_rewards(out);
@@ -362,6 +412,7 @@ class rollout_worker {
   std::map<std::string, double> figures_;                  // the last sampling's reports
   std::map<std::string, torch::Tensor> tensor_figures_;    // ... of tensors, read by figures()
   std::future<torch::Tensor> scoring_;
+  std::optional<::unirl::rollout::partial_rollouts> partial_;  // worker_options::partial_rollouts
 };
 
 /// The learning side: wraps a trainer and a transport; version `first_version` (0 unless

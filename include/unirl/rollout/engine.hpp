@@ -93,6 +93,7 @@ struct result {
   std::int64_t sequence = 0;  // the id `resume` / `release` take (paused samples)
   std::vector<std::int64_t> tokens;
   std::vector<double> logp;
+  std::vector<std::int64_t> versions;  // the weight version (`set_weight_version`) each token was drawn with
   finish_reason reason = finish_reason::length;
   torch::Tensor logits{};     // (tokens, V) with `keep_logits`
 };
@@ -141,6 +142,7 @@ class engine {
     s->fork = r.n;
     s->max_new = r.sampling.max_new_tokens;
     requests_.push_back(std::move(r));
+    first_draw_.push_back(-1);
     waiting_.push_back(s.get());
     seqs_.emplace(s->id, std::move(s));
     return id;
@@ -158,6 +160,7 @@ class engine {
     s.max_new = limit;
     s.st = state::running;
     s.logp.clear();
+    s.versions.clear();
     s.logits.clear();
     running_.push_back(&s);
   }
@@ -169,12 +172,45 @@ class engine {
   }
 
   /// The weights changed: every cached prefix is forgotten (never served under other weights).
-  /// Sequences in flight keep their keys and values.
-  void set_weight_version(std::int64_t v) {
+  /// Sequences in flight keep their keys and values, or with `recompute` give their blocks back
+  /// and prefill their tokens again under the new weights (the running ones at their next
+  /// schedule, a paused one when resumed): each later token is then the new weights' draw
+  /// exactly. Their tokens, log-probs, versions and generators are kept.
+  void set_weight_version(std::int64_t v, bool recompute = false) {
     if (v == version_) return;
     version_ = v;
     pool_.clear_cache();
     for (auto& [id, s] : seqs_) s->cacheable = false;
+    if (!recompute) return;
+    while (!running_.empty()) preempt(*running_.back(), false);  // back first: the waiting order stays
+    for (auto& [id, s] : seqs_)
+      if (s->st == state::paused) forget_blocks(*s);
+  }
+
+  /// The first weight version a token of request `id` was drawn with (its group's oldest token);
+  /// -1 while none is drawn.
+  std::int64_t first_draw_version(std::int64_t id) const {
+    UNIRL_CHECK(id >= 0 && id < static_cast<std::int64_t>(requests_.size()), "engine::first_draw_version: request ",
+                id, " was never submitted");
+    return first_draw_[static_cast<std::size_t>(id)];
+  }
+
+  /// Drops request `id`: its waiting, running and paused samples leave and their blocks are
+  /// freed; results already returned stay valid. False when nothing of it was left.
+  bool abort(std::int64_t id) {
+    UNIRL_CHECK(id >= 0 && id < static_cast<std::int64_t>(requests_.size()), "engine::abort: request ", id,
+                " was never submitted");
+    std::vector<std::int64_t> gone;
+    for (auto& [sid, s] : seqs_)
+      if (s->request == id) gone.push_back(sid);
+    for (const auto sid : gone) {
+      auto& s = *seqs_.at(sid);
+      if (s.st == state::running) running_.erase(std::find(running_.begin(), running_.end(), &s));
+      if (s.st == state::waiting) waiting_.erase(std::find(waiting_.begin(), waiting_.end(), &s));
+      pool_.release(s.table);
+      seqs_.erase(sid);
+    }
+    return !gone.empty();
   }
   std::int64_t weight_version() const { return version_; }
 
@@ -258,6 +294,7 @@ class engine {
     std::vector<std::int64_t> block_keys;  // prefix-cache ids of the first `keyed` full blocks
     std::int64_t keyed = 0;
     std::vector<double> logp;
+    std::vector<std::int64_t> versions;
     std::vector<torch::Tensor> logits;
     at::Generator gen;
     state st = state::waiting;
@@ -314,16 +351,19 @@ class engine {
     return pool_.grow(s.table, upto);
   }
   // Gives the blocks of the latest admitted running sequence back; it is recomputed later.
-  void preempt(sequence& s) {
+  void preempt(sequence& s, bool count = true) {
+    forget_blocks(s);
+    s.st = state::waiting;
+    running_.erase(std::find(running_.begin(), running_.end(), &s));
+    waiting_.push_front(&s);
+    if (count) ++stats_.preemptions;
+  }
+  void forget_blocks(sequence& s) {
     pool_.release(s.table);
     s.computed = 0;
     s.block_keys.clear();
     s.keyed = 0;
     s.cacheable = true;  // recomputed under the current weights
-    s.st = state::waiting;
-    running_.erase(std::find(running_.begin(), running_.end(), &s));
-    waiting_.push_front(&s);
-    ++stats_.preemptions;
   }
   // Full blocks of a waiting sequence's known tokens found in the prefix cache (the last token is
   // always computed: its logits are needed).
@@ -501,6 +541,9 @@ class engine {
       const auto tok = static_cast<std::int64_t>(read[static_cast<std::size_t>(1 + i)]);
       s.tokens.push_back(tok);
       s.logp.push_back(read[static_cast<std::size_t>(1 + K + i)]);
+      s.versions.push_back(version_);
+      auto& first = first_draw_[static_cast<std::size_t>(s.request)];
+      if (first < 0) first = version_;
       if (o_.keep_logits) s.logits.push_back(raw[i].clone());
       finish_if_done(s, out);
     }
@@ -530,9 +573,11 @@ class engine {
     r.sequence = s.id;
     r.tokens.assign(s.tokens.begin() + s.turn_start, s.tokens.end());
     r.logp = std::move(s.logp);
+    r.versions = std::move(s.versions);
     r.reason = *why;
     if (o_.keep_logits && !s.logits.empty()) r.logits = torch::stack(s.logits);
     s.logp.clear();
+    s.versions.clear();
     s.logits.clear();
     out.push_back(std::move(r));
     running_.erase(std::find(running_.begin(), running_.end(), &s));
@@ -566,6 +611,7 @@ class engine {
   std::int64_t version_ = 0;
   std::int64_t next_seq_ = 0;
   std::vector<request> requests_;
+  std::vector<std::int64_t> first_draw_;  // per request: the version of its first drawn token, -1 before
   std::map<std::int64_t, std::unique_ptr<sequence>> seqs_;
   std::deque<sequence*> waiting_;
   std::vector<sequence*> running_;

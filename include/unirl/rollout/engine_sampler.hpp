@@ -47,6 +47,59 @@ struct engine_summary {
   std::int64_t steps = 0, peak_blocks = 0, peak_kv_bytes = 0, prefix_hit_tokens = 0, preemptions = 0;
 };
 
+namespace detail {
+// The token_rollout of `by_sample` (one engine result per sample, sample b answering prompt
+// b / group_size of `in`; `pids` / `pmask` are `pad_prompts(in, group_size)`): the layout of
+// `sample_tokens`. With `versions`, `token_version` holds each token's weight version.
+inline token_rollout assemble_rollout(const prompt_batch& in, const torch::Tensor& pids, const torch::Tensor& pmask,
+                                      std::int64_t group_size, const std::vector<result>& by_sample,
+                                      const sampling_options& s, torch::Device device, torch::ScalarType lp_dtype,
+                                      bool versions) {
+  const auto B = static_cast<std::int64_t>(by_sample.size());
+  std::int64_t T = 1;
+  for (const auto& r : by_sample) T = std::max<std::int64_t>(T, static_cast<std::int64_t>(r.tokens.size()));
+  auto ids = torch::full({B, T}, in.pad_id, torch::kInt64);
+  auto mask = torch::zeros({B, T}, torch::kFloat);
+  auto logp = torch::zeros({B, T}, torch::kDouble);
+  auto ver = versions ? torch::zeros({B, T}, torch::kInt64) : torch::Tensor{};
+  auto* pi = ids.data_ptr<std::int64_t>();
+  auto* pm = mask.data_ptr<float>();
+  auto* pl = logp.data_ptr<double>();
+  auto* pv = versions ? ver.data_ptr<std::int64_t>() : nullptr;
+  token_rollout r;
+  for (std::int64_t b = 0; b < B; ++b) {
+    const auto& x = by_sample[static_cast<std::size_t>(b)];
+    for (std::size_t t = 0; t < x.tokens.size(); ++t) {
+      pi[b * T + static_cast<std::int64_t>(t)] = x.tokens[t];
+      pm[b * T + static_cast<std::int64_t>(t)] = 1.f;
+      pl[b * T + static_cast<std::int64_t>(t)] = x.logp[t];
+      if (pv) pv[b * T + static_cast<std::int64_t>(t)] = x.versions[t];
+    }
+    const auto p = static_cast<std::size_t>(b / group_size);
+    if (!in.texts.empty()) r.prompts.push_back(in.texts[p]);
+    if (!in.references.empty()) r.references.push_back(in.references[p]);
+    r.host_prompt_lengths.push_back(static_cast<std::int64_t>(in.tokens[p].size()));
+    r.host_completion_lengths.push_back(static_cast<std::int64_t>(x.tokens.size()));
+    if (in.decode) {
+      std::vector<std::int64_t> toks;
+      for (const auto v : x.tokens) {
+        if (std::find(s.stop_tokens.begin(), s.stop_tokens.end(), v) != s.stop_tokens.end()) break;
+        toks.push_back(v);
+      }
+      r.completions.push_back(in.decode(toks));
+    }
+  }
+  r.prompt_ids = pids.to(device, /*non_blocking=*/true);
+  r.prompt_mask = pmask.to(device, /*non_blocking=*/true);
+  r.completion_ids = ids.to(device, /*non_blocking=*/true);
+  r.completion_mask = mask.to(device, /*non_blocking=*/true);
+  r.old_logp = logp.to(device, lp_dtype);
+  if (versions) r.token_version = ver.to(device, /*non_blocking=*/true);
+  r.prompt_index = torch::arange(B, torch::TensorOptions(torch::kInt64)).div(group_size, "floor").to(device);
+  return r;
+}
+}  // namespace detail
+
 /// `sample_tokens(model, in, group_size, s, device)` through the engine (see the file comment).
 /// The model runs on its own device; the batch lands on `device`; `summary`, when given, receives
 /// the engine's figures. Call under `torch::NoGradGuard`.
@@ -81,44 +134,8 @@ token_rollout sample_tokens_engine(const M& model, const prompt_batch& in, std::
   sum.preemptions = eng.stats().preemptions;
   if (summary) *summary = sum;
 
-  std::int64_t T = 1;
-  for (const auto& r : by_sample) T = std::max<std::int64_t>(T, static_cast<std::int64_t>(r.tokens.size()));
   const auto lp_dtype = eng.dtype() == torch::kDouble ? torch::kDouble : torch::kFloat;
-  auto ids = torch::full({B, T}, in.pad_id, torch::kInt64);
-  auto mask = torch::zeros({B, T}, torch::kFloat);
-  auto logp = torch::zeros({B, T}, torch::kDouble);
-  auto* pi = ids.data_ptr<std::int64_t>();
-  auto* pm = mask.data_ptr<float>();
-  auto* pl = logp.data_ptr<double>();
-  token_rollout r;
-  for (std::int64_t b = 0; b < B; ++b) {
-    const auto& x = by_sample[static_cast<std::size_t>(b)];
-    for (std::size_t t = 0; t < x.tokens.size(); ++t) {
-      pi[b * T + static_cast<std::int64_t>(t)] = x.tokens[t];
-      pm[b * T + static_cast<std::int64_t>(t)] = 1.f;
-      pl[b * T + static_cast<std::int64_t>(t)] = x.logp[t];
-    }
-    const auto p = static_cast<std::size_t>(b / group_size);
-    if (!in.texts.empty()) r.prompts.push_back(in.texts[p]);
-    if (!in.references.empty()) r.references.push_back(in.references[p]);
-    r.host_prompt_lengths.push_back(static_cast<std::int64_t>(in.tokens[p].size()));
-    r.host_completion_lengths.push_back(static_cast<std::int64_t>(x.tokens.size()));
-    if (in.decode) {
-      std::vector<std::int64_t> toks;
-      for (const auto v : x.tokens) {
-        if (std::find(s.stop_tokens.begin(), s.stop_tokens.end(), v) != s.stop_tokens.end()) break;
-        toks.push_back(v);
-      }
-      r.completions.push_back(in.decode(toks));
-    }
-  }
-  r.prompt_ids = pids.to(device, /*non_blocking=*/true);
-  r.prompt_mask = pmask.to(device, /*non_blocking=*/true);
-  r.completion_ids = ids.to(device, /*non_blocking=*/true);
-  r.completion_mask = mask.to(device, /*non_blocking=*/true);
-  r.old_logp = logp.to(device, lp_dtype);
-  r.prompt_index = torch::arange(B, torch::TensorOptions(torch::kInt64)).div(group_size, "floor").to(device);
-  return r;
+  return detail::assemble_rollout(in, pids, pmask, group_size, by_sample, s, device, lp_dtype, false);
 }
 
 /// Completions the way the trainers draw them: through the engine when `s.engine` (the default)

@@ -58,6 +58,8 @@ struct token_rollout {
   torch::Tensor values{};         // (B, T) float, critic values at rollout time (PPO)
   torch::Tensor returns{};        // (B, T) float, GAE returns (PPO)
   torch::Tensor advantages{};     // (B, T) float, filled by the advantage stage
+  torch::Tensor token_version{};  // (B, T) int64, the weight version each token was drawn with (partial
+                                  // rollouts, rollout/partial.hpp); undefined otherwise; read under the mask
   torch::Tensor prompt_index;     // (B,) int64, which prompt of the input each sample answers
   std::vector<std::string> prompts{};      // (B) prompt text per sample (empty when not given)
   std::vector<std::string> completions{};  // (B) decoded completion (empty when no decoder)
@@ -75,7 +77,7 @@ struct token_rollout {
   using ragged_columns = batch::column_groups<
       batch::columns<batch::pad_side::left, "prompt_mask", "prompt_ids">,
       batch::columns<batch::pad_side::right, "completion_mask", "completion_ids", "old_logp", "ref_logp", "values",
-                     "returns", "advantages">>;
+                     "returns", "advantages", "token_version">>;
 
   std::int64_t size() const { return completion_ids.defined() ? completion_ids.size(0) : 0; }
   /// Tokens generated per sample, (B,) int64.
@@ -105,7 +107,7 @@ struct token_rollout {
 }  // namespace unirl
 
 BOOST_HANA_ADAPT_STRUCT(unirl::token_rollout, prompt_ids, prompt_mask, completion_ids, completion_mask, old_logp,
-                        ref_logp, values, returns, advantages, prompt_index, prompts, completions, references,
+                        ref_logp, values, returns, advantages, token_version, prompt_index, prompts, completions, references,
                         host_prompt_lengths, host_completion_lengths);
 
 namespace unirl {

@@ -8,6 +8,7 @@
 //   dp_worker overlap 0 1 <unused> <out-prefix>     (reward scoring overlapped with sampling, one process)
 //   dp_worker worker_restart 0 1 <unused> <out-prefix>  (seed_per_version, the worker checkpoint; one process)
 //   dp_worker split_reward_rank env env <unused> <out-prefix>   (learner, sampler, reward rank)
+//   dp_worker split_partial env env <unused> <out-prefix>   (GRPO on a GPT, partial rollouts)
 //   dp_worker fault_sampler_continue|fault_sampler_stop|fault_learner env env tcp|<store-file> <out-prefix>
 //   dp_worker split_learners|split_learners_file env env <store-file> <out-prefix>   (two learners,
 //                                      two samplers; a TCPStore, or a FileStore at <store-file>)
@@ -26,6 +27,7 @@
 #include <vector>
 
 #include <nlohmann/json.hpp>
+#include <unirl/algorithms/grpo.hpp>
 #include <unirl/models/gpt.hpp>
 #include <unirl/models/module_adapter.hpp>
 #include <unirl/parallel/c10d_transport.hpp>
@@ -322,6 +324,69 @@ nlohmann::json split(const std::string& mode) {
     sums.push_back(checksum(w.models().policy));  // the weights this batch was drawn with
   }
   return {{"versions", versions}, {"sums", sums}};
+}
+
+// Partial rollouts (worker_options::partial_rollouts) between real processes: rank 0 learns GRPO on
+// a small GPT, rank 1 samples on its engine with groups carried across weight versions. The
+// learner records, for every batch it trains on, its version and the oldest and newest token.
+struct count_ones {
+  torch::Tensor operator()(const unirl::token_rollout& b) const {
+    const auto hit = (b.completion_ids == 1).to(torch::kFloat) * b.completion_mask;
+    return hit.sum(1) / b.completion_mask.sum(1).clamp_min(1.0);
+  }
+};
+using partial_algo = unirl::algo::grpo<>;
+using partial_trainer = unirl::trainer<unirl::models::gpt, partial_algo, count_ones>;
+using partial_tr = unirl::parallel::c10d_transport<unirl::token_rollout>;
+struct probing_learner {  // the learner's view of what it trains on
+  using rollout_type = unirl::token_rollout;
+  partial_trainer* t;
+  std::int64_t version = 0;
+  nlohmann::json rows = nlohmann::json::array();
+  auto& models() { return t->models(); }
+  unirl::step_stats learn(unirl::token_rollout b, torch::Tensor r, std::int64_t staleness) {
+    const auto mk = b.completion_mask > 0;
+    const auto big = torch::full_like(b.token_version, std::numeric_limits<std::int64_t>::max());
+    const auto oldest = torch::where(mk, b.token_version, big).min().item<std::int64_t>();
+    const auto newest = torch::where(mk, b.token_version, -big).max().item<std::int64_t>();
+    rows.push_back({{"version", version}, {"oldest", oldest}, {"newest", newest}, {"staleness", staleness}});
+    auto st = t->learn(std::move(b), std::move(r), staleness);
+    ++version;
+    return st;
+  }
+};
+nlohmann::json split_partial() {
+  auto tr = partial_tr::from_environment({.rdzv = {.interface_host = "127.0.0.1", .timeout = std::chrono::seconds(30)},
+                                          .max_staleness = 2});
+  const unirl::trainer_options<partial_algo> opts{
+      .algorithm = {.agg = unirl::algo::loss_agg::token_mean,
+                    .sampling = {.max_new_tokens = 24, .temperature = 1.0, .stop_tokens = {0}, .engine = true}},
+      .optim = {.lr = 3e-3},
+      .group_size = 4,
+      .seed = 11,
+      .progress = false};
+  auto gpt = [] {
+    return unirl::models::gpt(
+        unirl::models::gpt_options{.vocab_size = 8, .max_len = 32, .n_layer = 2, .n_head = 2, .d_model = 32});
+  };
+  torch::manual_seed(60 + tr.rank());
+  if (tr.is_learner()) {
+    partial_trainer t{gpt(), count_ones{}, opts};
+    probing_learner probe{&t};
+    unirl::parallel::learner l(probe, tr);
+    for (int s = 0; s < 10; ++s) {
+      if (!l.step()) throw std::runtime_error("the sampler stopped early");
+    }
+    l.finish();
+    return {{"rows", probe.rows}, {"dropped", tr.dropped()}};
+  }
+  unirl::parallel::rollout_worker<unirl::models::gpt, partial_algo, count_ones, partial_tr> w(
+      gpt(), count_ones{}, opts, tr, tr.rank() - 1, {.partial_rollouts = true, .partial_batch_groups = 2});
+  // 4 prompts offered per batch of 2 groups (over-sampling).
+  const unirl::prompt_batch in{.tokens = {{2}, {3, 4}, {5}, {6, 7}}};
+  nlohmann::json figures = nlohmann::json::array();
+  while (w.run_once(in)) figures.push_back(w.figures());
+  return {{"figures", figures}};
 }
 
 // The weights the plain trainer.step reaches on sampler 0's inputs (seed 50): the reference of
@@ -856,6 +921,11 @@ int main(int argc, char** argv) try {
     const char* r = std::getenv("RANK");
     const nlohmann::json out = fault(mode, argv[4], argv[5]);
     std::ofstream(std::string(argv[5]) + "." + (r ? r : "") + ".json") << out.dump();
+    return 0;
+  }
+  if (mode == "split_partial") {
+    const char* r = std::getenv("RANK");
+    std::ofstream(std::string(argv[5]) + "." + (r ? r : "") + ".json") << split_partial().dump();
     return 0;
   }
   if (mode == "split_sync" || mode == "split_async" || mode == "sync_bench" || mode == "colocated" ||

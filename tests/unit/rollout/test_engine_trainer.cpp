@@ -1,6 +1,7 @@
 // `sample_tokens_engine`: the contract of `sample_tokens` through the engine (layout, replay
 // parity of the behaviour log-probs); GRPO through unirl::trainer and through the split mode's
 // rollout_worker sampling on the engine by default.
+#include <cmath>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -13,6 +14,7 @@
 #include <unirl/parallel/colocated.hpp>
 #include <unirl/parallel/rollout_worker.hpp>
 #include <unirl/rollout/engine_sampler.hpp>
+#include <unirl/rollout/partial.hpp>
 #include <unirl/trainer.hpp>
 
 using namespace unirl;
@@ -159,4 +161,163 @@ TEST_CASE("engine sampler: the split mode's rollout_worker samples on the engine
   tr2.publish(parallel::policy_state(t.models().policy), 0);
   REQUIRE(ws.run_once(in));
   CHECK(ws.figures().count("engine/steps") == 0);
+}
+
+namespace {
+// The tokens of `b` drawn with weight version v, each against version v's log-prob of it:
+// the largest |difference| over the tokens of each version in `weights` (v's parameters).
+double worst_version_error(models::gpt& m, const token_rollout& b, const std::vector<std::vector<torch::Tensor>>& weights,
+                           double temperature) {
+  torch::NoGradGuard ng;
+  std::vector<torch::Tensor> now;
+  for (auto& p : m.net()->parameters()) now.push_back(p.detach().clone());
+  double worst = 0;
+  for (std::size_t v = 0; v < weights.size(); ++v) {
+    const auto here = (b.token_version == static_cast<std::int64_t>(v)) & (b.completion_mask > 0);
+    if (!here.any().item<bool>()) continue;
+    auto ps = m.net()->parameters();
+    for (std::size_t i = 0; i < ps.size(); ++i) ps[i].detach().copy_(weights[v][i]);
+    const auto lp = models::completion_logprob(m, b, temperature, false).first;
+    worst = std::max(worst, ((lp - b.old_logp).abs() * here.to(lp.scalar_type())).max().item<double>());
+  }
+  auto ps = m.net()->parameters();
+  for (std::size_t i = 0; i < ps.size(); ++i) ps[i].detach().copy_(now[i]);
+  return worst;
+}
+}  // namespace
+
+TEST_CASE("partial rollouts: groups carried across draws and weight versions, every token's behaviour log-prob is "
+          "the log-prob of the version it records (float64), no token older than max_token_age",
+          "[cpu][rollout][engine][partial]") {
+  for (const bool recompute : {true, false}) {
+    INFO("recompute_kv " << recompute);
+    torch::manual_seed(3);
+    auto m = trainer_gpt();
+    m.net()->to(torch::kDouble);
+    m.train(false);
+    torch::NoGradGuard ng;
+    // The weights move to a new version every 3rd poll (a poll comes before a draw and after each
+    // engine step), as a learner's updates would arrive while the engine steps.
+    std::vector<std::vector<torch::Tensor>> weights;
+    auto snapshot = [&] {
+      std::vector<torch::Tensor> w;
+      for (auto& p : m.net()->parameters()) w.push_back(p.detach().clone());
+      weights.push_back(std::move(w));
+    };
+    snapshot();
+    std::int64_t polls = 0;
+    // Over-sampled: 4 prompts given per draw, 2 groups returned.
+    rollout::partial_rollouts carry{{.recompute_kv = recompute, .max_token_age = 1, .batch_groups = 2}, [&] {
+                                      if (++polls % 3 == 0) {
+                                        for (auto& p : m.net()->parameters()) p.detach().add_(torch::randn_like(p) * 0.05);
+                                        snapshot();
+                                      }
+                                      return static_cast<std::int64_t>(weights.size()) - 1;
+                                    }};
+    // Long-tailed lengths: stop token 0 of 8 ends about one completion in eight per token.
+    const sampling_options s{.max_new_tokens = 12, .temperature = 1.0, .stop_tokens = {0}, .engine = true};
+    std::int64_t carried = 0, mixed = 0, restarted = 0;
+    double worst = 0;
+    for (std::int64_t d = 0; d < 6; ++d) {
+      INFO("draw " << d);
+      prompt_batch in{.tokens = {{1 + d % 7}, {2, 1 + (d + 3) % 7}, {3, 4, 5}, {6}}};
+      for (int p = 0; p < 4; ++p) in.texts.push_back("p" + std::to_string(4 * d + p));
+      const auto b = carry.draw(m, in, 2, s);
+      const auto& f = carry.last();
+      REQUIRE(b.size() == 4);
+      REQUIRE(b.token_version.defined());
+      CHECK(torch::equal(b.prompt_index, torch::tensor({0, 0, 1, 1}, torch::kInt64)));
+      for (std::int64_t i = 0; i < 4; i += 2) CHECK(b.prompts[static_cast<std::size_t>(i)] == b.prompts[static_cast<std::size_t>(i + 1)]);
+      // the live groups were topped up to the 4 prompts: 2 left in flight, 2 new next time
+      CHECK(f.new_groups + f.unused_prompts == 4);
+      CHECK(f.in_flight_groups == 2);
+      const auto mk = b.completion_mask > 0;
+      const auto oldest = torch::where(mk, b.token_version, torch::full_like(b.token_version, 1 << 30)).min().item<std::int64_t>();
+      CHECK(oldest == f.oldest_version);
+      CHECK(oldest >= f.newest_version - 1);  // max_token_age
+      // versions never decrease along a completion
+      const auto step = b.token_version.slice(1, 1) - b.token_version.slice(1, 0, -1);
+      CHECK(((step >= 0) | ~mk.slice(1, 1)).all().item<bool>());
+      CHECK(f.in_flight_groups == carry.in_flight());
+      carried += f.carried_groups;
+      mixed += f.mixed_samples;
+      restarted += f.restarted_groups;
+      worst = std::max(worst, worst_version_error(m, b, weights, 1.0));
+    }
+    // Groups outlived their draw, completions spanned weight versions, too-old groups restarted.
+    CHECK(carried > 0);
+    CHECK(mixed > 0);
+    CHECK(restarted > 0);
+    if (recompute) CHECK(worst <= 1e-10);
+    else CHECK(worst > 1e-6);  // kept keys and values of older weights: the later tokens' log-probs mix versions
+  }
+}
+
+TEST_CASE("partial rollouts: misuse is an error naming it", "[cpu][rollout][engine][partial]") {
+  auto m = trainer_gpt();
+  auto m2 = trainer_gpt();
+  m.train(false);
+  torch::NoGradGuard ng;
+  rollout::partial_rollouts carry;
+  const sampling_options s{.max_new_tokens = 4, .engine = true};
+  const prompt_batch in{.tokens = {{1}, {2}}};
+  (void)carry.draw(m, in, 2, s);
+  CHECK_THROWS_WITH(carry.draw(m, in, 3, s), Catch::Contains("group_size = 3") && Catch::Contains("first draw's 2"));
+  CHECK_THROWS_WITH(carry.draw(m2, in, 2, s), Catch::Contains("another model"));
+  CHECK_THROWS_WITH(carry.draw(m, in, 2, {.max_new_tokens = 5, .engine = true}), Catch::Contains("max_new_tokens 5"));
+  CHECK_THROWS_WITH(carry.draw(m, in, 2, {.max_new_tokens = 4, .engine = false}), Catch::Contains("sampling.engine = false"));
+  CHECK_THROWS_WITH(carry.set_version(-1), Catch::Contains("non-decreasing"));
+  rollout::partial_rollouts three{{.batch_groups = 3}};
+  CHECK_THROWS_WITH(three.draw(m, in, 2, s), Catch::Contains("batch_groups = 3 but 2 prompts given"));
+}
+
+TEST_CASE("partial rollouts in the split mode: the worker carries groups across versions, a batch's policy_version "
+          "is its oldest token, and the learner trains on it", "[cpu][rollout][engine][partial][integration]") {
+  using algo_t = algo::grpo<>;
+  using tr_t = parallel::colocated_transport<token_rollout>;
+  const trainer_options<algo_t> opts{
+      .algorithm = {.agg = algo::loss_agg::token_mean,
+                    .sampling = {.max_new_tokens = 10, .temperature = 1.0, .stop_tokens = {0}, .engine = true}},
+      .optim = {.lr = 3e-3},
+      .group_size = 4,
+      .seed = 11,
+      .progress = false};
+  const prompt_batch in{.tokens = {{2}, {3, 4}, {5}, {6, 7}}};
+  torch::manual_seed(4);
+  trainer<models::gpt, algo_t, count_ones> t{trainer_gpt(), count_ones{}, opts};
+  {
+    tr_t sync;  // synchronous transport: refused
+    CHECK_THROWS_WITH((parallel::rollout_worker<models::gpt, algo_t, count_ones, tr_t>(
+                          trainer_gpt(), count_ones{}, opts, sync, 0, {.partial_rollouts = true})),
+                      Catch::Contains("max_staleness >= 1"));
+  }
+  // max_staleness 2: the worker restarts a group whose oldest token is more than 1 version behind
+  // its newest weights (partial_max_token_age -1: max_staleness - 1).
+  tr_t tr{{.max_staleness = 2}};
+  parallel::rollout_worker<models::gpt, algo_t, count_ones, tr_t> w(trainer_gpt(), count_ones{}, opts, tr, 0,
+                                                                     {.partial_rollouts = true, .partial_batch_groups = 2});
+  parallel::learner l(t, tr);
+  double carried = 0, mixed = 0;
+  for (int k = 0; k < 6; ++k) {
+    INFO("step " << k);
+    REQUIRE(w.run_once(in));
+    const auto f = w.figures();
+    carried += f.at("partial/carried_groups");
+    mixed += f.at("partial/mixed_samples");
+    auto b = tr.pop(l.version());
+    REQUIRE(b.has_value());
+    const auto& x = b->batch;
+    REQUIRE(x.token_version.defined());
+    const auto mk = x.completion_mask > 0;
+    CHECK(b->policy_version ==
+          torch::where(mk, x.token_version, torch::full_like(x.token_version, 1 << 30)).min().item<std::int64_t>());
+    CHECK(b->policy_version >= l.version() - 2);
+    REQUIRE(tr.push(std::move(*b)));
+    const auto st = l.step();
+    REQUIRE(st.has_value());
+    CHECK(st->extra.at("staleness") <= 2.0);
+    CHECK(std::isfinite(st->loss));
+  }
+  CHECK(carried > 0);
+  CHECK(mixed > 0);
 }
