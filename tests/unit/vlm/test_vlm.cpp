@@ -668,3 +668,154 @@ TEST_CASE("vlm: multi-turn episodes whose observations show images - slot ids at
   CHECK_THROWS_WITH(agents::run_episodes(text_only, screens_env{}, {1}, 1, io, ao),
                     Catch::Contains("the policy has no image table"));
 }
+
+// ---- vlm<LM> over a third language model (concepts/embedding_lm.hpp) ----
+namespace {
+// A language model the library never saw: each position's logits are head(tanh(mix(mean of the
+// input embeddings of the real tokens so far))) — causal, attention-free; its cache is the running
+// sum and count of each row.
+struct bag_lm_impl : torch::nn::Cloneable<bag_lm_impl> {
+  bag_lm_impl(std::int64_t vocab, std::int64_t dim) : V(vocab), D(dim) { reset(); }
+  void reset() override {
+    wte = register_module("wte", torch::nn::Embedding(V, D));
+    mix = register_module("mix", torch::nn::Linear(D, D));
+    head = register_module("head", torch::nn::Linear(D, V));
+  }
+  torch::Tensor embed(const torch::Tensor& ids) { return wte(ids); }
+  // x (B, L, D), mask (B, L); sum (B, D) and count (B, 1) carried in and updated.
+  torch::Tensor forward_from(const torch::Tensor& x, const torch::Tensor& mask, torch::Tensor& sum,
+                             torch::Tensor& count) {
+    const auto m = mask.unsqueeze(-1).to(x.scalar_type());
+    const auto cs = (x * m).cumsum(1) + sum.unsqueeze(1);
+    const auto cc = m.cumsum(1) + count.unsqueeze(1);
+    sum = cs.select(1, -1);
+    count = cc.select(1, -1);
+    return head(torch::tanh(mix(cs / cc.clamp_min(1.0))));
+  }
+  std::int64_t V, D;
+  torch::nn::Embedding wte{nullptr};
+  torch::nn::Linear mix{nullptr}, head{nullptr};
+};
+TORCH_MODULE_IMPL(bag_lm_net, bag_lm_impl);
+
+struct bag_lm : models::module_adapter<bag_lm, bag_lm_net> {
+  using track = token_track;
+  struct cache_type {
+    torch::Tensor sum, count;
+  };
+  explicit bag_lm(bag_lm_net net) : module_adapter(std::move(net)) {}
+  bag_lm(std::int64_t vocab, std::int64_t dim) : bag_lm(bag_lm_net(vocab, dim)) {}
+  torch::Tensor logits_from_embeddings(const torch::Tensor& x, const torch::Tensor& mask) const {
+    auto c = make_cache(x.size(0), 0);
+    return logits_cached_from_embeddings(x, mask, c);
+  }
+  torch::Tensor logits_cached_from_embeddings(const torch::Tensor& x, const torch::Tensor& mask, cache_type& c) const {
+    return net_.ptr()->forward_from(x, mask, c.sum, c.count);
+  }
+  torch::Tensor logits(const torch::Tensor& ids, const torch::Tensor& mask) const {
+    return logits_from_embeddings(net_.ptr()->embed(ids), mask);
+  }
+  cache_type make_cache(std::int64_t batch, std::int64_t) const {
+    const auto o = net_->wte->weight.options();
+    return {torch::zeros({batch, net_->D}, o), torch::zeros({batch, 1}, o)};
+  }
+  torch::Tensor logits_cached(const torch::Tensor& ids, const torch::Tensor& mask, cache_type& c) const {
+    return logits_cached_from_embeddings(net_.ptr()->embed(ids), mask, c);
+  }
+  std::int64_t vocab_size() const { return net_->V; }
+};
+}  // namespace
+
+// Its network opens itself to the VLM through the traits (the primary template would need
+// hidden_size() / vocab_size() / remake() members; this one has other names).
+template <>
+struct unirl::embedding_lm_traits<bag_lm_net> {
+  static std::int64_t hidden_size(const bag_lm_net& n) { return n->D; }
+  static std::int64_t vocab_size(const bag_lm_net& n) { return n->V; }
+  static torch::Tensor embed(const bag_lm_net& n, const torch::Tensor& ids) { return n.ptr()->embed(ids); }
+  static bag_lm_net remake(const bag_lm_net& n) { return bag_lm_net(n->V, n->D); }
+};
+
+static_assert(EmbeddingCausalLM<bag_lm>);
+static_assert(CausalLM<vlm::vlm<bag_lm>>);
+static_assert(!PagedCausalLM<vlm::vlm<bag_lm>> && !PackedCausalLM<vlm::vlm<bag_lm>>);
+static_assert(!CriticFactory<vlm::vlm<bag_lm>>);
+
+TEST_CASE("vlm: over a third language model that models EmbeddingCausalLM - logits equal an independent computation, "
+          "it samples, trains with GRPO and encodes each image once", "[cpu][vlm][trainer]") {
+  torch::manual_seed(21);
+  vision::vision_config vc;
+  vc.family = vision::vision_family::clip;
+  vc.hidden_size = 32;
+  vc.intermediate_size = 64;
+  vc.num_hidden_layers = 2;
+  vc.num_attention_heads = 4;
+  vc.image_size = 16;
+  vc.patch_size = 4;
+  vc.num_channels = 3;
+  using bag_vlm = vlm::vlm<bag_lm>;
+  bag_vlm m(vision::clip_vision(vc), vision::llava_projector(32, 24, "gelu"), bag_lm(16, 24));
+  m.net()->to(torch::kDouble);
+  m.train(false);
+  CHECK(m.vocab_size() == 16);
+  const auto img_px = torch::rand({3, 16, 16}, torch::kDouble);
+  const auto img = m.images().add(img_px);
+  REQUIRE(img.size() == 16);
+  const auto row = cat({{1, 2}, img, {3, 4}});
+  const auto [ids, mask] = left_padded({row, {5, 6, 7}});
+  torch::Tensor got;
+  {
+    torch::NoGradGuard ng;
+    got = m.logits(ids, mask);
+  }
+  {
+  // Independently: the embeddings of each row (text rows from the LM's table, image rows the
+  // projected features of the tower), then the bag LM's formula over the real tokens.
+  torch::NoGradGuard ng;
+  auto& lm = *m.language_model().net().ptr();
+  const auto feats = m.projector()->forward(m.vision_tower()->features_packed(
+      {img_px}, m.options().vision_feature_layer, m.options().vision_feature_select_strategy));
+  REQUIRE(feats.size(0) == 16);
+  for (std::int64_t b = 0; b < 2; ++b) {
+    const std::vector<std::int64_t> seq = b == 0 ? row : std::vector<std::int64_t>{5, 6, 7};
+    const auto L = static_cast<std::int64_t>(seq.size());
+    std::vector<torch::Tensor> x;
+    std::int64_t k = 0;
+    for (const auto t : seq) x.push_back(t < 16 ? lm.wte->weight[t] : feats[k++]);
+    const auto X = torch::stack(x);                                                  // (L, D)
+    const auto n = torch::arange(1, L + 1, torch::kDouble).unsqueeze(1);             // real tokens so far
+    const auto ref = lm.head(torch::tanh(lm.mix(X.cumsum(0) / n)));                  // (L, V)
+    const auto pad = ids.size(1) - L;
+    CHECK(max_abs_diff(got[b].slice(0, pad), ref) < 1e-12);
+  }
+  // The cached forward (prompt, then one more token) equals the whole forward.
+  auto c = m.make_cache(2, 32);
+  const auto P = ids.size(1);
+  const auto next = torch::tensor({{9}, {10}}, torch::kInt64);
+  const auto first = m.logits_cached(ids, mask, c);
+  const auto second = m.logits_cached(next, torch::ones({2, 1}), c);
+  const auto whole = m.logits(torch::cat({ids, next}, 1), torch::cat({mask, torch::ones({2, 1})}, 1));
+  CHECK(max_abs_diff(first, whole.slice(1, 0, P)) < 1e-12);
+  CHECK(max_abs_diff(second, whole.slice(1, P)) < 1e-12);
+  }
+
+  // GRPO over vlm<bag_lm> (the static sampler: no paged forward): the reward rises, each prompt's
+  // image encoded once per step.
+  torch::manual_seed(22);
+  bag_vlm pm(vision::clip_vision(vc), vision::llava_projector(32, 24, "gelu"), bag_lm(16, 24));
+  trainer<bag_vlm, algo::grpo<>, count_ones> t{
+      pm, count_ones{},
+      {.algorithm = {.layout = rollout::update_layout::padded, .sampling = {.max_new_tokens = 4}},
+       .optim = {.lr = 3e-2}, .group_size = 8, .progress = false}};
+  double first_reward = 0, last_reward = 0;
+  for (int s = 0; s < 30; ++s) {
+    pm.images().clear();
+    prompt_batch in;
+    for (std::int64_t i = 0; i < 3; ++i) in.tokens.push_back(cat({{2 + i}, pm.images().add(torch::rand({3, 16, 16})), {3}}));
+    const auto st = t.step(in);
+    CHECK(st.extra.at("vision_tower_calls") == 3.0);
+    if (s == 0) first_reward = st.reward_mean;
+    last_reward = st.reward_mean;
+  }
+  CHECK(last_reward > first_reward + 0.3);
+}

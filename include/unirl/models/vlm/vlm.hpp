@@ -43,6 +43,7 @@
 #include <torch/torch.h>
 
 #include <unirl/concepts/causal_lm.hpp>
+#include <unirl/concepts/embedding_lm.hpp>
 #include <unirl/core/error.hpp>
 #include <unirl/core/options.hpp>
 #include <unirl/models/activation_checkpoint.hpp>
@@ -107,22 +108,60 @@ BOOST_HANA_ADAPT_STRUCT(unirl::models::vlm::small_vlm_options, vocab_size, max_l
                         image_size, patch_size, num_channels, vision_hidden, vision_layers, vision_heads,
                         vision_intermediate, vision_act, projector_act, model);
 
+namespace unirl {
+
+/// The built-in GPT's network as a VLM's language model (concepts/embedding_lm.hpp).
+template <>
+struct embedding_lm_traits<models::gpt_net> {
+  static std::int64_t hidden_size(const models::gpt_net& n) { return n->config().d_model; }
+  static std::int64_t vocab_size(const models::gpt_net& n) { return n->config().vocab_size; }
+  static torch::Tensor embed(const models::gpt_net& n, const torch::Tensor& ids) { return n.ptr()->embed(ids); }
+  static models::gpt_net remake(const models::gpt_net& n) { return models::gpt_net(n->config()); }
+};
+/// A Hugging Face decoder's network as a VLM's language model: `embed` skips the id check (its
+/// device read); the VLM's callers checked the ids.
+template <>
+struct embedding_lm_traits<models::hf::decoder_net> {
+  static std::int64_t hidden_size(const models::hf::decoder_net& n) { return n->config().hidden_size; }
+  static std::int64_t vocab_size(const models::hf::decoder_net& n) { return n->config().vocab_size; }
+  static torch::Tensor embed(const models::hf::decoder_net& n, const torch::Tensor& ids) {
+    return n.ptr()->embed_unchecked(ids);
+  }
+  static models::hf::decoder_net remake(const models::hf::decoder_net& n) {
+    return models::hf::decoder_net(n->config(), n->out_dim());
+  }
+};
+
+static_assert(EmbeddingCausalLM<models::gpt> && EmbeddingCausalLM<models::hf::causal_lm>);
+
+}  // namespace unirl
+
 namespace unirl::models::vlm {
 
 namespace detail {
 
-/// The network type of a language-model adapter (`gpt_net`, `hf::decoder_net`).
+/// The network type of a language-model adapter (`gpt_net`, `hf::decoder_net`, ...).
 template <class LM>
-using lm_net_t = std::remove_cvref_t<decltype(std::declval<const LM&>().net())>;
+using lm_net_t = ::unirl::lm_net_t<LM>;
+
+template <class LMNet>
+using lm_traits = ::unirl::embedding_lm_traits<LMNet>;
 
 /// A freshly initialised network of the same configuration (Cloneable's reset).
-inline gpt_net remake(const gpt_net& n) { return gpt_net(n->config()); }
-inline hf::decoder_net remake(const hf::decoder_net& n) { return hf::decoder_net(n->config(), n->out_dim()); }
+template <class LMNet>
+LMNet remake(const LMNet& n) { return lm_traits<LMNet>::remake(n); }
+template <class LMNet>
+std::int64_t hidden_size(const LMNet& n) { return lm_traits<LMNet>::hidden_size(n); }
+template <class LMNet>
+std::int64_t vocab_size(const LMNet& n) { return lm_traits<LMNet>::vocab_size(n); }
 
-inline std::int64_t hidden_size(const gpt_net& n) { return n->config().d_model; }
-inline std::int64_t hidden_size(const hf::decoder_net& n) { return n->config().hidden_size; }
-inline std::int64_t vocab_size(const gpt_net& n) { return n->config().vocab_size; }
-inline std::int64_t vocab_size(const hf::decoder_net& n) { return n->config().vocab_size; }
+/// Token embeddings of in-range ids: the network's own `embed` (with its checks) when it has one
+/// callable here, else the traits' (the caller checked them).
+template <class LMNet>
+torch::Tensor embed_text(LMNet& lm, const torch::Tensor& ids) {
+  if constexpr (requires { lm->embed(ids); }) return lm->embed(ids);
+  else return lm_traits<LMNet>::embed(lm, ids);
+}
 
 /// Whether any parameter of `m` requires a gradient.
 inline bool trainable(const torch::nn::Module& m) {
@@ -294,7 +333,7 @@ torch::Tensor multimodal_embeddings(vlm_net_impl<LMNet>& net, const vision_state
   auto& lm = net.language_model;
   auto& cache = *st.cache;
   const auto V = cache.vocab_size();
-  if (ids.numel() == 0) return lm->embed(ids);
+  if (ids.numel() == 0) return embed_text(lm, ids);
   const auto id64 = ids.to(torch::kInt64);
   const auto special = (id64 < 0) | (id64 >= V);
   // Position k of each id in its run of equal ids (a run ends at a change of id or of segment).
@@ -312,21 +351,21 @@ torch::Tensor multimodal_embeddings(vlm_net_impl<LMNet>& net, const vision_state
   const auto run_start = std::get<0>(torch::where(starts, pos, torch::zeros_like(pos)).cummax(1));
   const auto host = torch::stack({id64.masked_select(special), (pos - run_start).masked_select(special)}).cpu();
   const auto K = host.size(1);
-  if (K == 0) return lm->embed(id64);
+  if (K == 0) return embed_text(lm, id64);
   const auto a = host.accessor<std::int64_t, 2>();
   std::vector<std::int64_t> slot_ids(static_cast<std::size_t>(K)), run(static_cast<std::size_t>(K));
   for (std::int64_t i = 0; i < K; ++i) {
     slot_ids[static_cast<std::size_t>(i)] = a[0][i];
     run[static_cast<std::size_t>(i)] = a[1][i];
   }
-  const auto x = lm->embed(id64.masked_fill(special, 0));
+  const auto x = embed_text(lm, id64.masked_fill(special, 0));
   return x.index_put({special}, image_rows(net, st, slot_ids, run).to(x.device(), x.scalar_type()));
 }
 
 /// Token embeddings of ids already checked by the caller (the engine checks them on the host): no device read.
-inline torch::Tensor embed_checked_ids(gpt_net lm, const torch::Tensor& ids) { return lm->embed(ids); }
-inline torch::Tensor embed_checked_ids(hf::decoder_net lm, const torch::Tensor& ids) {
-  return lm->embed_unchecked(ids);
+template <class LMNet>
+torch::Tensor embed_checked_ids(const LMNet& lm, const torch::Tensor& ids) {
+  return lm_traits<LMNet>::embed(lm, ids);
 }
 
 /// The multimodal input embeddings (N, D) of a paged batch's rows (the rollout engine): image-slot
@@ -371,13 +410,13 @@ void check_parts(const vlm_net_impl<LMNet>& net, const vlm_options& o) {
 
 }  // namespace detail
 
-template <class LM>
+template <EmbeddingCausalLM LM>
 struct vlm;
 
 /// The value model PPO builds from a `vlm` (`make_critic()`): the same multimodal backbone
 /// (weights copied; the image table shared) with the language model's value head
 /// (`gpt_critic`'s / `hf::causal_lm_critic`'s): `values(ids, mask)` (B, L).
-template <class LM>
+template <EmbeddingCausalLM LM>
 struct vlm_critic : module_adapter<vlm_critic<LM>, vlm_net<detail::lm_net_t<LM>>> {
   using lm_net_type = detail::lm_net_t<LM>;
   using net_type = vlm_net<lm_net_type>;
@@ -414,10 +453,12 @@ struct vlm_critic : module_adapter<vlm_critic<LM>, vlm_net<detail::lm_net_t<LM>>
   detail::vision_state st_;
 };
 
-/// A vision-language model of the token track over language model `LM` (`models::gpt` or
-/// `models::hf::causal_lm`); see the file comment. Models `CausalLM`, and `PackedCausalLM`,
-/// `PrefixSharingCausalLM`, `HiddenStateCausalLM`, `PagedCausalLM` (the rollout engine) exactly when `LM` does.
-template <class LM>
+/// A vision-language model of the token track over language model `LM`: any `EmbeddingCausalLM`
+/// (concepts/embedding_lm.hpp; `models::gpt` and `models::hf::causal_lm` are); see the file
+/// comment. Models `CausalLM`, and `PackedCausalLM`, `PrefixSharingCausalLM`,
+/// `HiddenStateCausalLM`, `PagedCausalLM` (the rollout engine) and `CriticFactory` exactly when
+/// `LM` does. A type that is not an `EmbeddingCausalLM` fails to compile naming the concept.
+template <EmbeddingCausalLM LM>
 struct vlm : module_adapter<vlm<LM>, vlm_net<detail::lm_net_t<LM>>> {
   using track = token_track;
   using cache_type = typename LM::cache_type;
@@ -550,7 +591,9 @@ struct vlm : module_adapter<vlm<LM>, vlm_net<detail::lm_net_t<LM>>> {
   /// Activation checkpointing: `decoder_blocks` (the language model's layers) and `vision_tower`
   /// (the tower's encoder layers, in forwards with gradients of a trained tower); other kinds
   /// throw `config_error`.
-  void set_checkpointing(const std::vector<std::string>& kinds) {
+  void set_checkpointing(const std::vector<std::string>& kinds)
+    requires requires(LM& lm) { lm.set_checkpointing(kinds); }
+  {
     check_checkpointing_kinds(kinds, checkpointing_kinds(), "models::vlm::vlm");
     std::vector<std::string> lm_kinds, tower_kinds;
     for (const auto& k : kinds) (k == checkpoint_kind::vision_tower ? tower_kinds : lm_kinds).push_back(k);
@@ -558,7 +601,9 @@ struct vlm : module_adapter<vlm<LM>, vlm_net<detail::lm_net_t<LM>>> {
     lm.set_checkpointing(lm_kinds);
     vision_tower()->set_checkpointing(tower_kinds);
   }
-  std::vector<std::string> checkpointing_kinds() const {
+  std::vector<std::string> checkpointing_kinds() const
+    requires requires(LM& lm, const std::vector<std::string>& k) { lm.set_checkpointing(k); }
+  {
     return {std::string(checkpoint_kind::decoder_blocks), std::string(checkpoint_kind::vision_tower)};
   }
 
@@ -574,7 +619,9 @@ struct vlm : module_adapter<vlm<LM>, vlm_net<detail::lm_net_t<LM>>> {
 
   /// PPO's critic: this backbone (vision tower, projector, language model; weights copied, the
   /// image table shared) with the language model's value head (`make_critic()` of `LM`).
-  vlm_critic<LM> make_critic() const {
+  vlm_critic<LM> make_critic() const
+    requires CriticFactory<LM>
+  {
     auto lm_critic = language_model().make_critic();
     auto& n = *this->net_.ptr();
     auto tower = std::dynamic_pointer_cast<vision::clip_vision_impl>(n.vision_tower->clone(this->device()));
