@@ -319,6 +319,7 @@ class rollout_worker {
     step_info info{version_, group_size_, device_, &extra, updates, &pending, logprob_chunk_};
     info.partial = partial_ ? &*partial_ : nullptr;
     const std::int64_t draws = partial_ ? partial_->draws() : 0;
+    if (partial_) partial_->mark();
     versioned_batch<rollout_type> out;
     {
       torch::NoGradGuard no_grad;
@@ -333,7 +334,7 @@ class rollout_worker {
     if (partial_) {
       UNIRL_CHECK(partial_->draws() > draws, "rollout_worker: worker_options::partial_rollouts, but the algorithm's ",
                   "sampler did not draw through them (only token samplers on the rollout engine do: the GRPO family)");
-      out.policy_version = partial_->last().oldest_version;  // the batch's oldest token
+      out.policy_version = partial_->oldest_since_mark();  // the batch's oldest token, over all its draws
     }
     ++batches_;
     if (!overlapping()) {

@@ -103,6 +103,12 @@ class partial_rollouts {
   std::int64_t in_flight() const { return static_cast<std::int64_t>(groups_.size()); }
   /// Groups restarted so far.
   std::int64_t restarts() const { return restarts_; }
+  /// Starts a span of draws (one trainer step may draw more than once: dynamic sampling);
+  /// `oldest_since_mark()` is then the oldest token any of them returned.
+  void mark() { oldest_mark_ = std::numeric_limits<std::int64_t>::max(); }
+  std::int64_t oldest_since_mark() const {
+    return oldest_mark_ == std::numeric_limits<std::int64_t>::max() ? version_ : oldest_mark_;
+  }
 
   /// `batch_groups` groups of `group_size` completions (see the file comment): the first to finish
   /// among those in flight and the new ones from `in`, in the order they finished, laid out as
@@ -193,6 +199,7 @@ class partial_rollouts {
     if (!texts) out_in.texts.clear();
     if (!references) out_in.references.clear();
     last_.oldest_version = oldest == std::numeric_limits<std::int64_t>::max() ? version_ : oldest;
+    oldest_mark_ = std::min(oldest_mark_, last_.oldest_version);
     last_.newest_version = version_;
     last_.in_flight_groups = in_flight();
     ++draws_;
@@ -248,18 +255,19 @@ class partial_rollouts {
     g.finished = 0;
   }
 
-  // Takes the newest version (poll or set_version) into the engine, then draws again the groups
-  // whose oldest token is too old.
+  // Takes the newest version (poll or set_version) into the engine and, when it changed, draws
+  // again the groups whose oldest token is now too old.
   template <class E>
   void apply_version(E& eng) {
     if (poll_) {
       const auto v = poll_();
       if (v > version_) version_ = v;
     }
-    if (version_ != eng.weight_version()) {
-      if (draws_ > 0 || eng.stats().steps > 0) ++last_.version_changes;
-      eng.set_weight_version(version_, o_.recompute_kv);
-    }
+    // A group's age changes only with the version (its first token's version is fixed): the scan
+    // below runs once per update, not after every engine step.
+    if (version_ == eng.weight_version()) return;
+    if (draws_ > 0 || eng.stats().steps > 0) ++last_.version_changes;
+    eng.set_weight_version(version_, o_.recompute_kv);
     if (o_.max_token_age < 0) return;
     for (auto& [id, g] : groups_) {
       const auto first = eng.first_draw_version(g.request);
@@ -290,6 +298,7 @@ class partial_rollouts {
   std::int64_t group_size_ = 0;
   sampling_options sampling_{};
   std::int64_t version_ = 0;
+  std::int64_t oldest_mark_ = std::numeric_limits<std::int64_t>::max();
   std::int64_t draws_ = 0, restarts_ = 0, next_group_ = 0;
   std::map<std::int64_t, group> groups_;              // by group id, in submission order
   std::map<std::int64_t, std::int64_t> by_request_;   // engine request -> group id
